@@ -1,0 +1,130 @@
+"""Kimi Delta Attention (KDA): gated delta rule with per-channel decay.
+
+Recurrence per head (state S [dk, dv], fp32, S0 = 0), read after the update:
+    S' = Diag(exp(g_t)) S_{t-1}
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
+    o_t = S_t^T q_t
+Two forms that agree to fp32 rounding: `kda_recurrent` (token by token, used for
+decode) and `kda_chunked` (the same recurrence rewritten per chunk with a unit-lower-
+triangular solve, used for prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KDA_L2_EPS
+from .ops import l2_norm, linear, short_conv, vec
+
+CHUNK = 16
+# Below this many tokens the recurrent form is used even for prefill.
+CHUNK_MIN_T = 32
+
+
+def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_heads: int,
+              lower_bound: float | None) -> torch.Tensor:
+    """Log-space decay g [T, H, dk] from the raw gate u [T, H*dk].
+    K3 (lower_bound set): g = lb * sigmoid(exp(A_log[h]) * (u + dt_bias)).
+    Kimi-Linear:          g = -exp(A_log[h]) * softplus(u + dt_bias)."""
+    T = u.shape[0]
+    a = vec(a_log).reshape(-1)[:n_heads]  # K3 pads A_log to a multiple of 128
+    x = (u + vec(dt_bias).reshape(-1)).reshape(T, n_heads, -1)
+    A = torch.exp(a).reshape(1, n_heads, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(A * x)
+    return -A * F.softplus(x)
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """q, k [T, H, dk] (q already scaled), v [T, H, dv], g [T, H, dk] log-decay,
+    beta [T, H], state [H, dk, dv] or None. Returns (o [T, H, dv], state)."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    S = q.new_zeros(H, dk, dv) if state is None else state.clone()
+    out = q.new_empty(T, H, dv)
+    for t in range(T):
+        S = S * torch.exp(g[t]).unsqueeze(-1)
+        kt = k[t]
+        u = torch.einsum("hkv,hk->hv", S, kt)
+        S = S + kt.unsqueeze(-1) * (beta[t].unsqueeze(-1) * (v[t] - u)).unsqueeze(1)
+        out[t] = torch.einsum("hkv,hk->hv", S, q[t])
+    return out, S
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked form of `kda_recurrent` (same arguments and results).
+
+    Within a chunk with cumulative log-decay G_t (inclusive) and start state S0:
+      A[t,i] = sum_d k_t,d k_i,d exp(G_t,d - G_i,d)   (i < t)
+      (I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0)
+      o_t = S0^T (exp(G_t) * q_t) + sum_{i<=t} u_i sum_d q_t,d k_i,d exp(G_t,d - G_i,d)
+      S_L = exp(G_L) * S0 + sum_i (k_i * exp(G_L - G_i)) u_i^T
+    Pairwise differences G_t - G_i <= 0 are exponentiated directly, so no term can
+    overflow whatever the decay."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    S = q.new_zeros(H, dk, dv) if state is None else state.clone()
+    out = q.new_empty(T, H, dv)
+    for s0 in range(0, T, chunk):
+        e = min(T, s0 + chunk)
+        L = e - s0
+        qc = q[s0:e].transpose(0, 1)  # [H, L, dk]
+        kc = k[s0:e].transpose(0, 1)
+        vc = v[s0:e].transpose(0, 1)  # [H, L, dv]
+        bc = beta[s0:e].transpose(0, 1)  # [H, L]
+        G = torch.cumsum(g[s0:e].transpose(0, 1), dim=1)  # [H, L, dk]
+        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [H, t, i, dk] = G_t - G_i
+        incl = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        decay = torch.exp(diff.masked_fill(~incl.unsqueeze(-1), float("-inf")))
+        A = torch.einsum("htd,hid,htid->hti", kc, kc, decay)
+        A = A.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool), -1), 0.0)
+        Bm = torch.einsum("htd,hid,htid->hti", qc, kc, decay)  # inclusive of i == t
+        eG = torch.exp(G)
+        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("hld,hdv->hlv", eG * kc, S))
+        M = torch.eye(L).unsqueeze(0) + bc.unsqueeze(-1) * A
+        U = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
+        o = torch.einsum("hld,hdv->hlv", eG * qc, S) + Bm @ U
+        out[s0:e] = o.transpose(0, 1)
+        tail = torch.exp(G[:, -1:, :] - G)  # [H, L, dk]
+        S = eG[:, -1, :].unsqueeze(-1) * S + torch.einsum("hld,hlv->hdv", kc * tail, U)
+    return out, S
+
+
+class KDAState:
+    """Carried per-layer state: conv histories for q/k/v and the recurrent matrix."""
+
+    __slots__ = ("conv_q", "conv_k", "conv_v", "S")
+
+    def __init__(self):
+        self.conv_q = self.conv_k = self.conv_v = None
+        self.S = None
+
+
+def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None) -> torch.Tensor:
+    """Full KDA mixer on the normed input x [T, d]; updates `st` in place if given."""
+    T = x.shape[0]
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    st = st if st is not None else KDAState()
+    q, st.conv_q = short_conv(linear(x, w["self_attn.q_proj.weight"]), w["self_attn.q_conv1d.weight"], st.conv_q)
+    k, st.conv_k = short_conv(linear(x, w["self_attn.k_proj.weight"]), w["self_attn.k_conv1d.weight"], st.conv_k)
+    v, st.conv_v = short_conv(linear(x, w["self_attn.v_proj.weight"]), w["self_attn.v_conv1d.weight"], st.conv_v)
+    q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS) * (D ** -0.5)
+    k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
+    v = v.reshape(T, H, -1)
+    u = linear(linear(x, w["self_attn.f_a_proj.weight"]), w["self_attn.f_b_proj.weight"])
+    g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
+    beta = torch.sigmoid(linear(x, w["self_attn.b_proj.weight"]))  # [T, H]
+    if chunked is None:
+        chunked = T >= CHUNK_MIN_T
+    fn = kda_chunked if chunked else kda_recurrent
+    o, st.S = fn(q, k, v, g, beta, st.S)
+    if cfg.kda_full_rank_gate:
+        z = linear(x, w["self_attn.g_proj.weight"])
+    else:
+        z = linear(linear(x, w["self_attn.g_a_proj.weight"]), w["self_attn.g_b_proj.weight"])
+    # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
+    ms = o.double().square().mean(-1, keepdim=True)
+    o = o * torch.rsqrt(ms + cfg.rms_norm_eps).to(torch.float32) * vec(w["self_attn.o_norm.weight"])
+    o = o.reshape(T, -1) * torch.sigmoid(z)
+    return linear(o, w["self_attn.o_proj.weight"])

@@ -1,0 +1,97 @@
+"""Elementwise and small ops of the K3 / Kimi-Linear forward pass.
+
+Numeric contract: weights arrive as stored (BF16, F32, MXFP4); every activation,
+accumulation, norm and softmax here is fp32 (norm statistics in fp64, like the C
+engine). Each op is per token, so a token's result does not depend on how many
+tokens share the call: prefill, decode and full recompute see the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .weights import Mxfp4Weight
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """y = x @ W.T for x fp32 [T, in]; W BF16 / F32 tensor [out, in] or Mxfp4Weight."""
+    if isinstance(w, Mxfp4Weight):
+        from ..quant import mxfp4_linear
+        return mxfp4_linear(x.contiguous(), w.packed, w.scale)
+    if w.dtype == torch.bfloat16:
+        from ..quant import bf16_linear
+        return bf16_linear(x.contiguous(), w)
+    if w.dtype == torch.float32:
+        return x @ w.T
+    return x @ w.to(torch.float32).T  # other float dtypes (F16 in odd checkpoints)
+
+
+def vec(w: torch.Tensor) -> torch.Tensor:
+    """A small parameter vector as fp32 (norm gains, biases, conv taps)."""
+    return w.to(torch.float32)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2) + eps); the mean of squares accumulated in fp64."""
+    ms = x.double().square().mean(-1, keepdim=True)
+    inv = torch.rsqrt(ms + eps).to(torch.float32)
+    y = x * inv
+    return y if w is None else y * vec(w)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta).
+    The sigmoid takes the uncapped gate; |out| <= beta*linear_beta."""
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return a * u
+
+
+def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def glu_act(cfg, g, u):
+    if cfg.hidden_act == "situ":
+        return situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta)
+    return silu_glu(g, u)
+
+
+def mlp(cfg, x, gate_w, up_w, down_w) -> torch.Tensor:
+    return linear(glu_act(cfg, linear(x, gate_w), linear(x, up_w)), down_w)
+
+
+def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
+    """Causal depthwise conv + SiLU. x [T, C]; w [C, 1, K] (w[:, 0, K-1] multiplies the
+    current token); state [K-1, C] = the previous K-1 inputs (zeros at sequence start).
+    Returns (out [T, C], new_state [K-1, C])."""
+    T, C = x.shape
+    wk = vec(w).reshape(C, -1)
+    K = wk.shape[1]
+    if state is None:
+        state = x.new_zeros(K - 1, C)
+    z = torch.cat([state, x], 0)  # [K-1+T, C]
+    acc = torch.zeros_like(x)
+    for j in range(K):
+        acc = acc + z[j:j + T] * wk[:, j]
+    return F.silu(acc), z[T:].clone() if K > 1 else state
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (sum, not mean)."""
+    ss = x.double().square().sum(-1, keepdim=True)
+    return x * torch.rsqrt(ss + eps).to(torch.float32)
+
+
+def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Attention Residuals mix. sources: list of fp32 [T, d]. The norm gain is folded into
+    the pseudo-query (w = norm * proj); normalised sources are used only for scoring, the
+    raw ones are mixed."""
+    w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
+    V = torch.stack(sources, 0)  # [S, T, d]
+    normed = rms_norm(V, None, eps)
+    s = normed @ w  # [S, T]
+    a = torch.softmax(s, dim=0)
+    return (a.unsqueeze(-1) * V).sum(0)

@@ -1,0 +1,104 @@
+"""The decoder stack: embedding -> layers -> head, for K3 and Kimi-Linear.
+
+K3 replaces the residual stream with Attention Residuals (spec 3.2): a per-token bank
+of block summaries R and a running partial block sum P, mixed by a learned
+pseudo-query before each sublayer. Kimi-Linear uses the plain pre-norm residual.
+All of it is fp32; the bank is per forward and never carried between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kda import KDAState, kda_layer
+from .mla import MLAState, mla_layer
+from .moe import dense_mlp, moe_block
+from .ops import attn_res, linear, rms_norm
+
+
+@dataclass
+class InferenceState:
+    """Everything carried across decode steps: KDA conv/recurrent state, MLA KV cache,
+    and the ids seen so far."""
+
+    layers: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, cfg, n_layers: int | None = None):
+        n = cfg.num_hidden_layers if n_layers is None else n_layers
+        return cls([MLAState() if cfg.is_mla(i) else KDAState() for i in range(n)], [])
+
+    @property
+    def position(self) -> int:
+        return len(self.ids)
+
+
+class Model:
+    """Pure math over a WeightProvider. `forward` processes new tokens, extending
+    `state` if given (incremental) or starting from nothing (full recompute)."""
+
+    def __init__(self, provider, n_layers: int | None = None, kda_chunked: bool | None = None):
+        self.provider = provider
+        self.cfg = provider.config
+        self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
+        self.kda_chunked = kda_chunked
+        self.stats = None
+        self.on_layer = None  # progress hook: callable(layer_index)
+
+    def new_state(self) -> InferenceState:
+        return InferenceState.fresh(self.cfg, self.n_layers)
+
+    def _mixer(self, i, w, x, st):
+        if self.cfg.is_mla(i):
+            return mla_layer(self.cfg, w, x, st)
+        return kda_layer(self.cfg, w, x, st, self.kda_chunked)
+
+    def _ffn(self, i, w, x):
+        if self.cfg.is_moe(i):
+            return moe_block(self.cfg, w, x, i, self.provider, self.stats)
+        return dense_mlp(self.cfg, w, x)
+
+    def hidden(self, ids, state: InferenceState | None = None) -> torch.Tensor:
+        """Final hidden states (after the last mix, before the final norm) [T, d]."""
+        cfg = self.cfg
+        if state is None:
+            state = self.new_state()
+        h = self.provider.embed(ids)
+        eps = cfg.rms_norm_eps
+        B = cfg.attn_res_block_size
+        bank: list[torch.Tensor] = []
+        P = h
+        for i in range(self.n_layers):
+            w = self.provider.layer(i)
+            st = state.layers[i]
+            if B is None:  # Kimi-Linear: plain pre-norm residual
+                h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), st)
+                h = h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+            else:
+                x = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps) if bank else P
+                if i % B == 0:
+                    bank.append(P)
+                    P = None
+                a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), st)
+                P = a if P is None else P + a
+                y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
+                P = P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps))
+            self.provider.release_layer(i)
+            if self.on_layer is not None:
+                self.on_layer(i)
+        state.ids.extend(int(t) for t in ids)
+        if B is None:
+            return h
+        g = self.provider.global_weight
+        return attn_res(bank + [P], g("output_attn_res_norm.weight"), g("output_attn_res_proj.weight"), eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        g = self.provider.global_weight
+        return linear(rms_norm(h, g("norm.weight"), self.cfg.rms_norm_eps), g("lm_head.weight"))
+
+    def forward(self, ids, state: InferenceState | None = None, last_only: bool = True) -> torch.Tensor:
+        h = self.hidden(ids, state)
+        return self.logits(h[-1:] if last_only else h)
