@@ -1,0 +1,304 @@
+"""The `k3` command line: a thin layer over k3.engine.
+
+Generated text/ids go to stdout; banners, tables and statistics to stderr, so the
+output can be piped. User mistakes end with one clear paragraph and a documented
+exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error, UsageError
+
+EXIT_CODES_HELP = f"""exit codes:
+  {EXIT_OK}  success
+  {EXIT_RUNTIME}  refused to start or failed while running (memory plan, forward failure)
+  {EXIT_USAGE}  usage error: bad flags, unreadable config, token id outside the vocabulary
+  {EXIT_CHECKPOINT}  checkpoint malformed, truncated or incomplete (missing shard or tensor)
+  {EXIT_READ}  a weight read failed during the run: the output is invalid
+  130 interrupted (Ctrl-C)
+"""
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} TB"
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def err(msg: str = "") -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def set_threads(n: int | None) -> int:
+    import torch
+
+    if n is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}.")
+    torch.set_num_threads(n)
+    try:
+        from .quant import set_num_threads
+        set_num_threads(n)
+    except ImportError:  # kernels module without a thread setter
+        pass
+    return n
+
+
+def parse_ids(text: str) -> list[int]:
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"--ids must be integers separated by commas or spaces, got {text!r}.") from None
+
+
+# ---------------------------------------------------------------- k3 run
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model folder (config.json, model.safetensors.index.json, shards)")
+    src = p.add_argument_group("prompt (exactly one)")
+    src.add_argument("--prompt", help="prompt text (tokenized with the model folder's tiktoken.model)")
+    src.add_argument("--prompt-file", help="file whose bytes are the prompt text (UTF-8)")
+    src.add_argument("--ids", help="raw token ids, comma or space separated (no tokenizer needed)")
+    p.add_argument("--gen", type=int, default=8, help="tokens to generate (default 8, at most 4096)")
+    p.add_argument("--incremental", action="store_true",
+                   help="prefill once, then one token per step carrying KDA state and the MLA KV cache "
+                        "(default: full recompute of the whole prefix every step)")
+    p.add_argument("--config", help="config.json to use instead of MODEL/config.json")
+    p.add_argument("--layers", type=int, help="run only the first N layers (NOT the full model; for testing)")
+    p.add_argument("--out", help="write a JSON result (ids, timings, statistics) to this file")
+    p.add_argument("--dump-logits", help="write the first step's float32 logits (raw little-endian) here")
+    p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout instead of text")
+
+
+def _read_prompt(args, model_dir) -> tuple[list[int], object]:
+    given = [x for x in (args.prompt, args.prompt_file, args.ids) if x is not None]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --prompt, --prompt-file or --ids.")
+    tok = None
+    if args.ids is not None:
+        ids = parse_ids(args.ids)
+        try:
+            from .tokenizer import Tokenizer
+            tok = Tokenizer(model_dir) if (Path(model_dir) / "tiktoken.model").is_file() else None
+        except K3Error:
+            tok = None
+        return ids, tok
+    from .tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UsageError(f"{args.prompt_file}: cannot read the prompt file ({e.strerror}).") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.prompt_file}: the prompt file is not UTF-8 text.") from None
+    else:
+        text = args.prompt
+    ids = tok.encode(text)
+    err(f"  tokenized: {len(text.encode())} bytes -> {len(ids)} ids")
+    return ids, tok
+
+
+def cmd_run(args) -> int:
+    from .engine import check_ids, generate, load_model
+    from .tokenizer import StreamDecoder
+
+    t_start = time.perf_counter()
+    if not 0 <= args.gen <= 4096:
+        raise UsageError(f"--gen must be in 0..4096, got {args.gen}.")
+    threads = set_threads(args.threads)
+    model_dir = args.model
+    if not Path(model_dir).is_dir():
+        raise UsageError(f"{model_dir}: not a folder. Give the model folder (config.json + shards) as the first argument.")
+    ids, tok = _read_prompt(args, model_dir)
+    from .config import load_config
+    cfg = load_config(args.config or model_dir)
+    err(cfg.summary())
+    ids = check_ids(cfg, ids)
+    err(f"  model    : {model_dir}")
+    err(f"  prompt   : {len(ids)} tokens, generating {args.gen} ({'incremental' if args.incremental else 'full recompute'}), {threads} threads")
+    if args.layers is not None:
+        err(f"  WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers run. "
+            "Output is NOT the full model.")
+    t0 = time.perf_counter()
+    model = load_model(model_dir, config_path=args.config, n_layers=args.layers)
+    prov = model.provider
+    err(f"indexed {len(prov.index)} tensors from {len(prov.index.shards())} shards")
+    err(f"resident trunk: {human(prov.resident_bytes)} in RAM (as stored: BF16/F32; small vectors fp32), "
+        f"read in {time.perf_counter() - t0:.2f} s")
+    err(f"peak RSS after loading weights: {human(peak_rss_bytes())}")
+    err("")
+    err(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'TOK/S':>8}")
+    err("-" * 33)
+    steps = []
+    stream = StreamDecoder(tok) if tok is not None and not args.json else None
+    for s in generate(model, ids, args.gen, incremental=args.incremental):
+        steps.append(s)
+        if s.step == 0 and args.dump_logits:
+            _write_logits(args.dump_logits, s.logits)
+        err(f"{s.step:>5} {s.token:>8} {s.seconds:>9.3f} {1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}")
+        if stream is not None:
+            sys.stdout.write(stream.push(s.token))
+            sys.stdout.flush()
+    if stream is not None:
+        sys.stdout.write(stream.flush() + "\n")
+    gen_ids = [s.token for s in steps]
+    total = sum(s.seconds for s in steps)
+    spt = total / len(steps) if steps else 0.0
+    err("")
+    if args.dump_logits and steps:
+        err(f"wrote {args.dump_logits} ({cfg.vocab_size} float32 logits)")
+    err(f"{len(steps)} tokens in {total:.2f} s, {spt:.3f} s/token average")
+    err(f"PEAK RSS for the whole run: {human(peak_rss_bytes())}   <- quote this, not a plan")
+    result = {
+        "model": str(model_dir),
+        "prompt_ids": ids,
+        "generated_ids": gen_ids,
+        "full_ids": ids + gen_ids,
+        "generated_text": tok.decode(gen_ids) if tok is not None else None,
+        "mode": "incremental" if args.incremental else "full_recompute",
+        "layers_requested": args.layers if args.layers is not None else cfg.num_hidden_layers,
+        "layers": model.n_layers,
+        "full_model": model.n_layers == cfg.num_hidden_layers,
+        "threads": threads,
+        "seconds_per_token": spt,
+        "step_seconds": [s.seconds for s in steps],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "trunk_bytes_read": prov.bytes_read,
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    if args.out:
+        _write_json_atomic(args.out, result)
+        err(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps(result))
+    elif stream is None:
+        print(" ".join(map(str, gen_ids)))
+    return EXIT_OK
+
+
+def _write_logits(path, logits) -> None:
+    import numpy as np
+
+    data = logits.detach().to("cpu").float().numpy().astype("<f4").tobytes()
+    _atomic_write_bytes(path, data)
+
+
+def _atomic_write_bytes(path, data: bytes) -> None:
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise K3Error(f"{path}: could not write the file ({e.strerror}).", EXIT_RUNTIME) from None
+
+
+def _write_json_atomic(path, obj) -> None:
+    _atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+# ---------------------------------------------------------------- k3 synth
+def add_synth_args(p):
+    from . import synth
+    synth.add_arguments(p)
+
+
+def cmd_synth(args) -> int:
+    from . import synth
+    return synth.run(args) or EXIT_OK
+
+
+# ---------------------------------------------------------------- k3 demo
+def cmd_demo(args) -> int:
+    """Generate the built-in synthetic checkpoint once (cached), then run on it."""
+    from . import synth
+
+    cache = Path(args.cache_dir or os.environ.get("K3_CACHE", Path.home() / ".cache" / "k3"))
+    model_dir = cache / f"synth-{args.preset}-seed{args.seed}"
+    if not (model_dir / "model.safetensors.index.json").is_file():
+        err(f"demo: generating the synthetic '{args.preset}' checkpoint into {model_dir} (once)")
+        synth.synthesize(model_dir, preset=args.preset, seed=args.seed)
+    else:
+        err(f"demo: using the cached synthetic checkpoint {model_dir}")
+    run_args = build_parser().parse_args(
+        ["run", str(model_dir), "--prompt", args.prompt, "--gen", str(args.gen)]
+        + (["--incremental"] if args.incremental else []) + (["--out", args.out] if args.out else []))
+    return cmd_run(run_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="k3", description="k3: exact Kimi K3 / Kimi-Linear inference on ordinary machines.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"k3 {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    r = sub.add_parser("run", help="generate tokens from a prompt", epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(r)
+    r.set_defaults(fn=cmd_run)
+    s = sub.add_parser("synth", help="write a synthetic checkpoint in the exact release format")
+    try:
+        add_synth_args(s)
+    except ImportError:  # TEMP
+        pass
+    s.set_defaults(fn=cmd_synth)
+    d = sub.add_parser("demo", help="generate a small synthetic checkpoint once and run on it")
+    d.add_argument("--preset", default="small", help="synthetic preset (default small)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--gen", type=int, default=16)
+    d.add_argument("--incremental", action="store_true")
+    d.add_argument("--out")
+    d.add_argument("--cache-dir", help="where the synthetic checkpoint is kept (default ~/.cache/k3)")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed its message; usage errors are exit 2
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    if not getattr(args, "fn", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.fn(args)
+    except K3Error as e:
+        err(f"k3: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        err("k3: interrupted.")
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
