@@ -54,8 +54,10 @@ class CheckpointLayout:
     def info(self, rel: str):
         return self.index.get(self.full(rel))
 
-    def expert_quantized(self, layer: int, e: int) -> bool:
-        return self.full(f"layers.{layer}.block_sparse_moe.experts.{e}.w1.weight_packed") in self.index
+    def expert_quantized(self, layer: int, e: int) -> dict[str, bool]:
+        """Which of the expert's matrices are stored packed (MXFP4)."""
+        p = self.full(f"layers.{layer}.block_sparse_moe.experts.{e}.")
+        return {w: p + w + ".weight_packed" in self.index for w in ("w1", "w2", "w3")}
 
     def validate(self) -> None:
         cfg, problems, missing_layers = self.cfg, [], set()
@@ -165,11 +167,9 @@ class ResidentWeights:
 
     def _load_expert(self, i, e) -> ExpertWeights:
         p = f"layers.{i}.block_sparse_moe.experts.{e}."
-        if self.layout.expert_quantized(i, e):
-            ws = [Mxfp4Weight(self._load(p + f"{w}.weight_packed", "U8"), self._load(p + f"{w}.weight_scale", "U8"))
-                  for w in ("w1", "w2", "w3")]
-        else:
-            ws = [self._load(p + f"{w}.weight", "matrix") for w in ("w1", "w2", "w3")]
+        q = self.layout.expert_quantized(i, e)
+        ws = [Mxfp4Weight(self._load(p + f"{w}.weight_packed", "U8"), self._load(p + f"{w}.weight_scale", "U8"))
+              if q[w] else self._load(p + f"{w}.weight", "matrix") for w in ("w1", "w2", "w3")]
         return ExpertWeights(*ws)
 
     @property

@@ -22,9 +22,9 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if w.dtype == torch.bfloat16:
         from ..quant import bf16_linear
         return bf16_linear(x.contiguous(), w)
-    if w.dtype == torch.float32:
-        return x @ w.T
-    return x @ w.to(torch.float32).T  # other float dtypes (F16 in odd checkpoints)
+    # F32 (fixtures, small F32 checkpoints) or F16: accumulate in fp64 like the C engine's
+    # double accumulators, so cancelling sums stay within the fixtures' 1e-5.
+    return (x.double() @ w.double().T).to(torch.float32)
 
 
 def vec(w: torch.Tensor) -> torch.Tensor:

@@ -117,15 +117,18 @@ def expert_logical_shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"w1": (mi, inp), "w3": (mi, inp), "w2": (inp, mi)}
 
 
-def expert_specs(cfg, quantized: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+def expert_specs(cfg, quantized) -> dict[str, tuple[tuple[int, ...], str]]:
     """Relative names (`w1.weight_packed`, ...) -> (shape, dtype kind), in the release's
-    on-disk order w1, w2, w3 with packed before scale."""
+    on-disk order w1, w2, w3 with packed before scale. `quantized` is a bool for all
+    three matrices or a {"w1": bool, ...} dict (a matrix whose input width is not a
+    multiple of the group size can only be stored unpacked)."""
     out = {}
     sh = expert_logical_shapes(cfg)
     g = cfg.expert_group_size
     for w in ("w1", "w2", "w3"):
         r, c = sh[w]
-        if quantized:
+        q = quantized[w] if isinstance(quantized, dict) else quantized
+        if q:
             out[f"{w}.weight_packed"] = ((r, c // 2), "U8")
             out[f"{w}.weight_scale"] = ((r, c // g), "U8")
         else:

@@ -61,6 +61,24 @@ class Model:
             return moe_block(self.cfg, w, x, i, self.provider, self.stats)
         return dense_mlp(self.cfg, w, x)
 
+    def plain_layer(self, i, w, h, st):
+        eps = self.cfg.rms_norm_eps
+        h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), st)
+        return h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+
+    def attn_res_layer(self, i, w, bank: list, P, st):
+        """One K3 layer (spec 3.2). `bank` is extended in place on block boundaries;
+        returns the new partial block sum P."""
+        eps = self.cfg.rms_norm_eps
+        x = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps) if bank else P
+        if i % self.cfg.attn_res_block_size == 0:
+            bank.append(P)
+            P = None
+        a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), st)
+        P = a if P is None else P + a
+        y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
+        return P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps))
+
     def hidden(self, ids, state: InferenceState | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
         cfg = self.cfg
@@ -73,19 +91,10 @@ class Model:
         P = h
         for i in range(self.n_layers):
             w = self.provider.layer(i)
-            st = state.layers[i]
             if B is None:  # Kimi-Linear: plain pre-norm residual
-                h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), st)
-                h = h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+                h = self.plain_layer(i, w, h, state.layers[i])
             else:
-                x = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps) if bank else P
-                if i % B == 0:
-                    bank.append(P)
-                    P = None
-                a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), st)
-                P = a if P is None else P + a
-                y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
-                P = P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps))
+                P = self.attn_res_layer(i, w, bank, P, state.layers[i])
             self.provider.release_layer(i)
             if self.on_layer is not None:
                 self.on_layer(i)
