@@ -1,0 +1,578 @@
+"""Strict safetensors header parser and the checkpoint index.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of
+JSON, then the data section. Each JSON entry (except ``__metadata__``) is
+``name: {"dtype", "shape", "data_offsets": [begin, end]}`` with offsets relative to
+the start of the data section.
+
+Nothing here maps or reads tensor data: the parser reads only the header (``pread``),
+and :class:`TensorInfo` records the *absolute* byte offset of each tensor in its file
+so that readers (:mod:`k3.checkpoint.io`) can issue one ``pread`` per tensor.
+
+Everything the parser refuses is a :class:`~k3.errors.CheckpointError` (exit code 3)
+whose message names the file and, where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, NoReturn
+
+from k3.errors import CheckpointError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "IGNORED_PREFIXES",
+    "INDEX_NAME",
+    "MAX_HEADER_BYTES",
+    "CheckpointIndex",
+    "ShardHeader",
+    "TensorInfo",
+    "read_header",
+    "read_shard_header",
+]
+
+#: Element size in bytes of every dtype we accept, in safetensors spelling.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
+# Canonical string objects, so that 500k TensorInfo share a handful of dtype strings.
+_DTYPE_CANON: dict[str, str] = {k: k for k in DTYPE_SIZES}
+
+#: Same limit as the safetensors library: a header above this is refused as corrupt.
+MAX_HEADER_BYTES = 100_000_000
+
+#: Tensors of the multimodal parts; the text engine never indexes them.
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+
+INDEX_NAME = "model.safetensors.index.json"
+
+_SHARD_OF_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")
+
+_REDOWNLOAD = (
+    "The file is truncated or corrupt (or not a safetensors file); re-download it "
+    "and check that its size matches the published one."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor's bytes live.
+
+    ``file`` is an absolute path, ``offset`` the absolute byte offset in that file
+    (header included), ``nbytes`` the payload size, ``dtype`` the safetensors
+    spelling (``"BF16"``, ``"U8"``...), ``shape`` a tuple of ints (``()`` for a
+    scalar).
+    """
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        """Absolute end offset (exclusive)."""
+        return self.offset + self.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeader:
+    """A parsed shard header: tensors in file order of their JSON entries."""
+
+    file: str
+    file_size: int
+    data_start: int  # absolute offset of the data section (8 + header length)
+    metadata: dict[str, str] | None
+    tensors: dict[str, TensorInfo]
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _pairs_hook(pairs: list[tuple[str, object]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    chunks = []
+    got = 0
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _bad(path: str, problem: str, tensor: str | None = None) -> CheckpointError:
+    where = f"tensor {tensor!r} in checkpoint file {path}" if tensor is not None else f"checkpoint file {path}"
+    return CheckpointError(f"Refusing {where}: {problem}. {_REDOWNLOAD}")
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # excludes bool (JSON true/false) and floats
+
+
+def read_shard_header(path: str | os.PathLike) -> ShardHeader:
+    """Parse and validate one shard header; see :func:`read_header`."""
+    apath = os.path.abspath(os.fspath(path))
+    try:
+        fd = os.open(apath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Checkpoint file {apath} does not exist. The download is incomplete or the "
+            f"path is wrong; download the missing file or point k3 at the right directory."
+        ) from None
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot open checkpoint file {apath}: {e.strerror or e}. Check the path and "
+            f"its permissions."
+        ) from None
+    try:
+        try:
+            file_size = os.fstat(fd).st_size
+            prefix = _pread_exact(fd, 8, 0)
+            if len(prefix) < 8:
+                raise _bad(
+                    apath,
+                    f"the file is only {file_size} bytes long, shorter than the 8-byte "
+                    f"header-length prefix",
+                )
+            hlen = int.from_bytes(prefix, "little")
+            if hlen < 2 or hlen > MAX_HEADER_BYTES:
+                raise _bad(
+                    apath,
+                    f"the header length prefix says {hlen} bytes, which is not a sane "
+                    f"safetensors header size (2..{MAX_HEADER_BYTES})",
+                )
+            if 8 + hlen > file_size:
+                raise _bad(
+                    apath,
+                    f"the header length prefix says {hlen} bytes but the file has only "
+                    f"{file_size - 8} bytes after the prefix (file size {file_size}), so the "
+                    f"header is larger than the file",
+                )
+            raw = _pread_exact(fd, hlen, 8)
+        except OSError as e:
+            raise CheckpointError(
+                f"Reading the header of checkpoint file {apath} failed: {e.strerror or e}. "
+                f"Check the disk (dmesg) and re-run."
+            ) from None
+    finally:
+        os.close(fd)
+    if len(raw) < hlen:
+        raise _bad(apath, f"the file ended while reading its {hlen}-byte header")
+    return _parse_header(apath, file_size, hlen, raw)
+
+
+def _diagnose(
+    apath: str, name: str, ent: object, data_len: int, *, file_size: int = -1, hlen: int = -1
+) -> NoReturn:
+    """Raise the precise CheckpointError for a header entry the fast path rejected."""
+    if not isinstance(ent, dict):
+        raise _bad(apath, "its header entry is not an object with dtype/shape/data_offsets", name)
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in ent]
+    if missing:
+        raise _bad(apath, f"its header entry lacks {', '.join(missing)}", name)
+    dtype, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise _bad(
+            apath, f"dtype {dtype!r} is not a known safetensors dtype ({', '.join(DTYPE_SIZES)})", name
+        )
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _bad(apath, f"shape {shape!r} is not a list of non-negative integers", name)
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not _is_int(offs[0])
+        or not _is_int(offs[1])
+        or offs[0] < 0
+        or offs[1] < offs[0]
+    ):
+        raise _bad(
+            apath,
+            f"data_offsets {offs!r} is not a pair [begin, end] of integers with 0 <= begin <= end",
+            name,
+        )
+    begin, end = offs
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = DTYPE_SIZES[dtype]
+    if end - begin != numel * itemsize:
+        raise _bad(
+            apath,
+            f"data_offsets [{begin}, {end}] span {end - begin} bytes but shape {shape} of "
+            f"{dtype} needs {numel} x {itemsize} = {numel * itemsize} bytes",
+            name,
+        )
+    if end > data_len:
+        raise _bad(
+            apath,
+            f"its bytes [{begin}, {end}) of the data section run past the end of the file: "
+            f"the data section has only {data_len} bytes (file size {file_size}, header "
+            f"{hlen} bytes), so the file is truncated or the offsets are wrong",
+            name,
+        )
+    raise AssertionError(f"header entry {name!r} of {apath} rejected without a reason")  # pragma: no cover
+
+
+def _parse_header(apath: str, file_size: int, hlen: int, raw: bytes) -> ShardHeader:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(apath, f"its JSON header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        hdr = json.loads(text, object_pairs_hook=_pairs_hook)
+    except _DuplicateKey as e:
+        raise _bad(
+            apath,
+            f"its JSON header names {e.key!r} twice (duplicate tensor name or duplicate "
+            f"field), so which entry is meant is ambiguous",
+            tensor=e.key,
+        ) from None
+    except ValueError as e:  # json.JSONDecodeError, also RecursionError-free
+        raise _bad(apath, f"its header is not valid JSON ({e})") from None
+    if not isinstance(hdr, dict):
+        raise _bad(apath, f"its JSON header is a {type(hdr).__name__}, not an object")
+
+    data_start = 8 + hlen
+    data_len = file_size - data_start
+    meta = hdr.pop("__metadata__", None)
+    if meta is not None:
+        if not isinstance(meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+        ):
+            raise _bad(apath, "its __metadata__ entry is not an object of string -> string")
+
+    sizes = DTYPE_SIZES
+    canon = _DTYPE_CANON
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # share equal shape tuples
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, ent in hdr.items():
+        # Fast path for well-formed entries; anything odd goes to _diagnose, which raises.
+        try:
+            dtype = ent["dtype"]
+            shape = ent["shape"]
+            begin, end = ent["data_offsets"]
+            numel = sizes[dtype]  # starts at itemsize
+        except (TypeError, KeyError, ValueError):
+            _diagnose(apath, name, ent, data_len)
+        if type(shape) is not list or type(begin) is not int or type(end) is not int or begin < 0:
+            _diagnose(apath, name, ent, data_len)
+        for d in shape:
+            if type(d) is not int or d < 0:
+                _diagnose(apath, name, ent, data_len)
+            numel *= d
+        if end - begin != numel or end > data_len:
+            _diagnose(apath, name, ent, data_len, file_size=file_size, hlen=hlen)
+        if end > begin:
+            spans.append((begin, end, name))
+        shp = tuple(shape)
+        tensors[name] = TensorInfo(
+            name, apath, data_start + begin, end - begin, canon[dtype], shapes.setdefault(shp, shp)
+        )
+
+    spans.sort()
+    prev_end = 0
+    prev_name = None
+    for begin, end, name in spans:
+        if begin < prev_end:
+            raise _bad(
+                apath,
+                f"its bytes [{begin}, {end}) overlap those of tensor {prev_name!r}, which "
+                f"end at {prev_end}; two tensors cannot share bytes",
+                name,
+            )
+        if end > prev_end:
+            prev_end, prev_name = end, name
+    return ShardHeader(apath, file_size, data_start, meta, tensors)
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Strictly parse the header of one safetensors file.
+
+    Returns ``name -> TensorInfo`` in header order (``__metadata__`` excluded).
+    Refuses (``CheckpointError``) a file shorter than 8 bytes, an insane header
+    length or one larger than the file, non-UTF-8 / non-JSON / non-object headers,
+    duplicate JSON keys, unknown dtypes, bad shapes or offsets, a byte span that does
+    not match ``prod(shape) * itemsize``, spans outside the data section, and
+    overlapping spans. Gaps between tensors are allowed.
+    """
+    return read_shard_header(path).tensors
+
+
+def _ignored(name: str) -> bool:
+    return name.startswith(IGNORED_PREFIXES)
+
+
+def _list_names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f" and {len(names) - limit} more"
+    return shown
+
+
+class CheckpointIndex:
+    """All text-model tensors of a checkpoint directory, by name.
+
+    Open with :meth:`open`. Tensors named ``vision_tower.*`` / ``mm_projector.*`` are
+    not indexed. Every shard header is parsed (strictly) exactly once.
+    """
+
+    __slots__ = ("model_dir", "_tensors", "_shards", "_headers", "index_metadata")
+
+    def __init__(
+        self,
+        model_dir: str,
+        tensors: dict[str, TensorInfo],
+        headers: dict[str, ShardHeader],
+        index_metadata: dict | None = None,
+    ):
+        self.model_dir = model_dir
+        self._tensors = tensors
+        self._headers = headers
+        self._shards = list(headers)
+        self.index_metadata = index_metadata
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def open(cls, model_dir: str | os.PathLike) -> "CheckpointIndex":
+        """Index ``model_dir``.
+
+        With ``model.safetensors.index.json``: its ``weight_map`` (tensor -> shard
+        file name) is authoritative; every shard it names for a text tensor must
+        exist (else one error listing all missing shards) and every text tensor must
+        be present in the shard it is mapped to. Shards named only for ignored
+        (vision/projector) tensors are not required. Without an index: every
+        ``*.safetensors`` in the directory, in name order; ``-NNNNN-of-MMMMM`` shard
+        names must form the complete set 1..MMMMM; a tensor in two shards is refused.
+        """
+        d = os.path.abspath(os.fspath(model_dir))
+        if not os.path.isdir(d):
+            raise CheckpointError(
+                f"Checkpoint directory {d} does not exist or is not a directory. Pass the "
+                f"directory that holds the model's *.safetensors files."
+            )
+        index_path = os.path.join(d, INDEX_NAME)
+        # ~500k small objects are created here: cyclic GC passes over a growing heap
+        # would double the time, and nothing created here forms cycles.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            if os.path.exists(index_path):
+                return cls._open_indexed(d, index_path)
+            return cls._open_glob(d)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    @classmethod
+    def _open_indexed(cls, d: str, index_path: str) -> "CheckpointIndex":
+        try:
+            with open(index_path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise CheckpointError(
+                f"Cannot read checkpoint index {index_path}: {e.strerror or e}. Check its "
+                f"permissions or re-download it."
+            ) from None
+        try:
+            idx = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs_hook)
+        except _DuplicateKey as e:
+            raise CheckpointError(
+                f"Refusing checkpoint index {index_path}: it names {e.key!r} twice, so the "
+                f"shard holding that tensor is ambiguous. Re-download the index file."
+            ) from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"Refusing checkpoint index {index_path}: it is not valid JSON ({e}). "
+                f"Re-download the index file."
+            ) from None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(
+                f"Refusing checkpoint index {index_path}: it has no non-empty 'weight_map' "
+                f"object (tensor name -> shard file). Re-download the index file."
+            )
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in wm.items():
+            names = by_shard.get(shard)
+            if names is None:
+                if (
+                    not isinstance(shard, str)
+                    or not shard
+                    or shard != os.path.basename(shard)
+                    or shard in (".", "..")
+                ):
+                    raise CheckpointError(
+                        f"Refusing checkpoint index {index_path}: tensor {name!r} is mapped to "
+                        f"{shard!r}, which is not a plain file name in the checkpoint "
+                        f"directory. Re-download the index file."
+                    )
+                names = by_shard[shard] = []
+            if not name.startswith(IGNORED_PREFIXES):
+                names.append(name)
+        needed = [s for s, names in by_shard.items() if names]
+        missing = [s for s in sorted(needed) if not os.path.isfile(os.path.join(d, s))]
+        if missing:
+            raise CheckpointError(
+                f"The checkpoint in {d} is incomplete: {len(missing)} of the "
+                f"{len(needed)} shard files named by {INDEX_NAME} are missing "
+                f"({_list_names(missing, 10)}). The download is incomplete; download the "
+                f"missing files (e.g. re-run the download command, which resumes)."
+            )
+        headers: dict[str, ShardHeader] = {}
+        tensors: dict[str, TensorInfo] = {}
+        for shard in sorted(needed):
+            hdr = read_shard_header(os.path.join(d, shard))
+            headers[hdr.file] = hdr
+            infos = hdr.tensors
+            names = by_shard[shard]
+            absent = [n for n in names if n not in infos]
+            if absent:
+                raise CheckpointError(
+                    f"Checkpoint file {hdr.file} lacks {len(absent)} tensor(s) that "
+                    f"{INDEX_NAME} places in it: {_list_names(absent)}. The shard and the "
+                    f"index do not belong together or the shard is a different/partial "
+                    f"version; re-download both."
+                )
+            tensors.update([(n, infos[n]) for n in names])
+        meta = idx.get("metadata") if isinstance(idx.get("metadata"), dict) else None
+        return cls(d, tensors, headers, meta)
+
+    @classmethod
+    def _open_glob(cls, d: str) -> "CheckpointIndex":
+        files = sorted(
+            f for f in os.listdir(d) if f.endswith(".safetensors") and os.path.isfile(os.path.join(d, f))
+        )
+        if not files:
+            raise CheckpointError(
+                f"No checkpoint found in {d}: there is neither {INDEX_NAME} nor any "
+                f"*.safetensors file. Point k3 at the directory holding the model files."
+            )
+        # Shard sets named "<stem>-00001-of-00096.safetensors" must be complete.
+        groups: dict[tuple[str, str], tuple[int, set[int]]] = {}
+        for f in files:
+            m = _SHARD_OF_RE.match(f)
+            if m:
+                groups.setdefault((m["stem"], m["n"]), (len(m["i"]), set()))[1].add(int(m["i"]))
+        for (stem, n_str), (width, have) in groups.items():
+            n = int(n_str)
+            lacking = [i for i in range(1, n + 1) if i not in have]
+            if lacking:
+                names = [f"{stem}-{i:0{width}d}-of-{n_str}.safetensors" for i in lacking]
+                raise CheckpointError(
+                    f"The checkpoint in {d} is incomplete: {len(lacking)} of {n} shard files "
+                    f"are missing ({_list_names(names, 10)}) and there is no {INDEX_NAME}. "
+                    f"The download is incomplete; download the missing files."
+                )
+        headers: dict[str, ShardHeader] = {}
+        tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            hdr = read_shard_header(os.path.join(d, f))
+            headers[hdr.file] = hdr
+            for name, info in hdr.tensors.items():
+                if _ignored(name):
+                    continue
+                prev = tensors.get(name)
+                if prev is not None:
+                    raise CheckpointError(
+                        f"Tensor {name!r} appears in two checkpoint files, {prev.file} and "
+                        f"{info.file}, and there is no {INDEX_NAME} to say which is meant. "
+                        f"Remove the stray file or add the index."
+                    )
+                tensors[name] = info
+        return cls(d, tensors, headers, None)
+
+    # -- queries --------------------------------------------------------------
+    def get(self, name: str) -> TensorInfo:
+        """The tensor ``name``; a missing name is a CheckpointError, never KeyError."""
+        info = self._tensors.get(name)
+        if info is None:
+            raise CheckpointError(
+                f"Tensor {name!r} is missing from the checkpoint in {self.model_dir} "
+                f"({len(self._tensors)} tensors in {len(self._shards)} shard file(s)). The "
+                f"download is incomplete or this directory holds a different model; check "
+                f"the model directory and re-download if needed."
+            )
+        return info
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def names(self) -> list[str]:
+        """Indexed tensor names (shard order, then header order)."""
+        return list(self._tensors)
+
+    def items(self):
+        return self._tensors.items()
+
+    def shards(self) -> list[str]:
+        """Absolute paths of the shard files whose headers were parsed, sorted."""
+        return list(self._shards)
+
+    def shard_header(self, path: str) -> ShardHeader:
+        return self._headers[os.path.abspath(path)]
+
+    def tensors_in(self, path: str) -> list[TensorInfo]:
+        """Indexed tensors of one shard, sorted by offset."""
+        p = os.path.abspath(path)
+        return sorted((t for t in self._tensors.values() if t.file == p), key=lambda t: t.offset)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the payload bytes of all indexed tensors."""
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def __repr__(self) -> str:
+        return f"CheckpointIndex({self.model_dir!r}, {len(self)} tensors, {len(self._shards)} shards)"
+
