@@ -150,7 +150,7 @@ class _Fields:
         n, v = self._raw(names)
         if n is None:
             if not optional:
-                self.problems.append(f"missing `{names[0]}`")
+                self.problems.append(_missing(names))
             return default
         if isinstance(v, bool) or not isinstance(v, int):
             self.problems.append(f"`{n}` must be an integer, got {v!r}")
@@ -164,7 +164,7 @@ class _Fields:
         n, v = self._raw(names)
         if n is None:
             if not optional:
-                self.problems.append(f"missing `{names[0]}`")
+                self.problems.append(_missing(names))
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             self.problems.append(f"`{n}` must be a number, got {v!r}")
@@ -187,12 +187,16 @@ class _Fields:
         n, v = self._raw(names)
         if n is None:
             if not optional:
-                self.problems.append(f"missing `{names[0]}`")
+                self.problems.append(_missing(names))
             return None
         if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             self.problems.append(f"`{n}` must be a list of integers, got {v!r}")
             return None
         return v
+
+
+def _missing(names) -> str:
+    return "missing `" + "` (or `".join(names[:2]) + ("`)" if len(names) > 1 else "`")
 
 
 def _token_id(v):
@@ -218,8 +222,11 @@ def parse_config(raw: dict, source: str = "<dict>") -> ModelConfig:
         shape_kind = "fixture"
     # K3 = the Attention-Residual stack. Anything that declares it (nested K3, fixture
     # configs) is K3; a config without it is Kimi-Linear's plain residual stack.
-    model_type = str(top.get("model_type", text.get("model_type", "")))
-    is_k3 = "attn_res_block_size" in text or model_type == "kimi_k3"
+    model_type = str(top.get("model_type", ""))
+    k3_only = ("attn_res_block_size", "routed_expert_hidden_size", "activation_situ_beta", "situ_beta",
+               "latent_moe_use_norm", "gate_lower_bound")
+    is_k3 = (model_type == "kimi_k3" or text.get("hidden_act") == "situ"
+             or any(k in text or k in lac for k in k3_only))
     arch = ARCH_K3 if is_k3 else ARCH_KIMI_LINEAR
 
     # Lookups try the nested linear_attn_config spelling, then the flat spellings.
