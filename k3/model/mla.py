@@ -14,6 +14,16 @@ from ..config import MLA_NORM_EPS
 from .ops import linear, rms_norm
 
 
+def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
+    """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
+    k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv]."""
+    T, S = q.shape[0], k.shape[0]
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    mask = torch.arange(S).unsqueeze(0) > (torch.arange(T) + past).unsqueeze(1)
+    p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.einsum("hts,shd->thd", p, v)
+
+
 class MLAState:
     """KV cache of one MLA layer: k [S, H, nope+rope], v [S, H, v_dim], fp32."""
 
@@ -51,14 +61,7 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
             k = torch.cat([st.k, k], 0)
             v = torch.cat([st.v, v], 0)
         st.k, st.v = k, v
-    S = k.shape[0]
-    scale = (nope + rope) ** -0.5
-    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
-    # causal: query t (absolute past+t) sees keys s <= past+t
-    mask = torch.arange(S).unsqueeze(0) > (torch.arange(T) + past).unsqueeze(1)
-    scores = scores.masked_fill(mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    o = torch.einsum("hts,shd->thd", p, v).reshape(T, H * vd)
+    o = attend(q, k, v, past, (nope + rope) ** -0.5).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, w["self_attn.g_proj.weight"]))
     return linear(o, w["self_attn.o_proj.weight"])
