@@ -1,0 +1,46 @@
+"""Quantisation / matmul kernels (numba): fused BF16 and MXFP4 linears.
+
+Public API::
+
+    bf16_linear(x, w)              # x f32 [T, K], w bf16 [N, K] -> f32 [T, N]
+    decode_mxfp4(packed, scale)    # -> f32 [R, C], bit-exact
+    mxfp4_linear(x, packed, scale) # x f32 [T, C] -> f32 [T, R], fused decode + matmul
+    set_num_threads(n)             # numba threads for these kernels
+    get_num_threads()
+
+Every output element has one fixed summation order (see ``k3.quant.bf16``), so the
+results are bit-identical for any thread count and any number of tokens per call.
+"""
+
+from __future__ import annotations
+
+import numba
+
+from .bf16 import LANES, bf16_linear
+from .mxfp4 import E2M1, decode_mxfp4, mxfp4_linear
+
+__all__ = ["bf16_linear", "decode_mxfp4", "mxfp4_linear", "E2M1", "LANES",
+           "set_num_threads", "get_num_threads", "max_threads"]
+
+
+def max_threads() -> int:
+    """Largest thread count numba allows in this process (NUMBA_NUM_THREADS, by default
+    the number of CPUs at import time)."""
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of numba threads the kernels use (safe to call repeatedly).
+
+    ``n`` above the process maximum (``max_threads()``) is clamped to it; ``n < 1``
+    raises ValueError. Like numba's own setting it applies to the calling Python
+    thread (numba keeps it thread-local). Results do not depend on it, only speed."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"number of threads must be >= 1, got {n}")
+    numba.set_num_threads(min(n, max_threads()))
+
+
+def get_num_threads() -> int:
+    """Thread count the kernels use in the calling Python thread."""
+    return int(numba.get_num_threads())

@@ -1,0 +1,429 @@
+"""Fused BF16-weight linear: y = x @ fp32(w).T without materialising fp32(w).
+
+Numeric contract
+----------------
+* The weight stays in memory as stored (``torch.bfloat16``); each element is widened
+  on the fly (bf16 -> fp32 is exact: the 16 bits become the top half of a 32-bit word).
+* Activations and accumulators are fp32; products are accumulated with fused
+  multiply-adds (one rounding per step).
+* The summation order of every output element is fixed by this source, never by the
+  compiler, the thread count or the number of tokens in the call (the *canonical
+  order* below). Results are therefore bit-identical for 1 or N threads, run to run,
+  and for a token computed alone (decode, T=1) or with others (prefill).
+
+Canonical order of ``y[t, n] = sum_k x[t, k] * w[n, k]`` (K = in-features)
+--------------------------------------------------------------------------
+``LANES`` = 64 fp32 accumulators ``a[0..63]`` start at +0.0; ``Km = K - K % 64``:
+
+1. for j = 0 .. Km/64 - 1 (in order), for every lane l:
+   ``a[l] = fma(x[64j + l], w[64j + l], a[l])``
+2. tail: for l < K % 64: ``a[l] = fma(x[Km + l], w[Km + l], a[l])``
+3. halving tree: for h = 32, 16, 8, 4, 2, 1: ``a[i] = a[i] + a[i + h]`` (i < h);
+   the result is ``a[0]``.
+
+How it is enforced: step 1 is a hand-written LLVM vector loop (``<64 x float>``
+accumulators held in registers, ``llvm.fma.v64f32``; see ``make_vdot``). Lanes are
+explicit, no fast-math flag is ever set, so LLVM may split the 64 lanes over any SIMD
+width (AVX2, AVX-512, NEON) but cannot reorder a lane's sum: the bits depend on nothing
+but IEEE fp32 fma semantics. Steps 2-3 are plain scalar numba code (no fastmath).
+
+Kernels are numba ``@njit(parallel=True, cache=True, nogil=True)`` functions with
+``prange`` over fixed blocks of output rows, so every output element is produced by
+exactly one thread. For T = 1 each weight row is streamed once (memory bound). For
+T > 1 a block of rows is widened once per K-chunk into an fp32 scratch and reused for
+every token, with a 2-token x 2-row register tile; the accumulator lanes persist
+across chunks, so the order is still the canonical one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["bf16_linear", "LANES"]
+
+#: fp32 accumulator lanes of the canonical dot-product order. Part of the numeric
+#: contract: changing it changes the bits every caller gets.
+LANES = 64
+
+# Blocking (performance only; none of these changes a single output bit).
+_RB1 = 32    # rows per prange iteration, T = 1
+_RB = 8      # weight rows per block (one prange iteration), T > 1; must be even
+_TB = 64     # tokens per block (bounds the accumulator scratch)
+_KC = 512    # K-chunk (elements, multiple of LANES) widened per step, T > 1
+
+
+# =========================================================================== SIMD blocks
+_F32 = ir.FloatType()
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_VF = ir.VectorType(_F32, LANES)
+_VI32 = ir.VectorType(_I32, LANES)
+
+
+def _splat_i32(v):
+    return ir.Constant(_VI32, [v] * LANES)
+
+
+def _vfma(builder, a, b, c):
+    """Lane-wise a*b + c, one rounding (llvm.fma.v64f32)."""
+    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{LANES}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _data_ptr(context, builder, aryty, val):
+    return context.make_array(aryty)(context, builder, val).data
+
+
+def _vload(builder, base, elem_index, ety, nelem):
+    """Load <nelem x ety> from base (pointer to ety) + elem_index, unaligned."""
+    p = builder.gep(base, [elem_index], inbounds=True)
+    vty = ir.VectorType(ety, nelem)
+    p = builder.bitcast(p, vty.as_pointer())
+    return builder.load(p, align=max(1, ety.width // 8) if isinstance(ety, ir.IntType) else 4, typ=vty)
+
+
+def _vstore(builder, val, base, elem_index):
+    p = builder.gep(base, [elem_index], inbounds=True)
+    p = builder.bitcast(p, val.type.as_pointer())
+    builder.store(val, p, align=4)
+
+
+def widen_bf16_vec(builder, v16):
+    """<64 x i16> bf16 bit patterns -> <64 x float> (exact)."""
+    v = builder.zext(v16, _VI32)
+    v = builder.shl(v, _splat_i32(16))
+    return builder.bitcast(v, _VF)
+
+
+def _arr_elem_ir(context, aryty):
+    return context.get_data_type(aryty.dtype)
+
+
+def _row_ptr(context, builder, aryty, val, idx, off):
+    """Pointer to element [idx, off] of a C-contiguous 2-D array."""
+    ary = context.make_array(aryty)(context, builder, val)
+    ncol = cgutils.unpack_tuple(builder, ary.shape, 2)[1]
+    e = builder.add(builder.mul(idx, ncol), off)
+    return builder.gep(ary.data, [e], inbounds=True)
+
+
+def make_vdot(nt, nr, streams, wkind):
+    """Build a numba intrinsic doing step 1 of the canonical order for a register tile
+    of ``nt`` tokens x ``nr`` weight rows::
+
+        vdot(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj)
+
+    * acc: float32 C array [*, >= 64]; ai: UniTuple of nt*nr row indices (tile (t, r) at
+      position t*nr + r); each acc row is loaded once, updated in registers, stored back;
+    * x0, x1: float32 C arrays [*, *] for stream 0 / 1 (x1 ignored when streams == 1);
+      xi: UniTuple of nt row indices; xoff: element offset inside those rows;
+    * w0, w1: C arrays [*, *] of float32 (``wkind='f32'``) or bf16 bits int16/uint16
+      (``wkind='bf16'``); wi: UniTuple of nr row indices; woff: element offset;
+    * for j in 0..nj-1, for s < streams, every tile (t, r), lane l < 64:
+      acc[t, r][l] = fma(x_s[xi[t], xoff + 64j + l], w_s[wi[r], woff + 64j + l], acc[t, r][l]).
+
+    Index-based (no array views are built per call). No bounds checks: the callers
+    guarantee the extents."""
+
+    def typer(typingctx, acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj):
+        def arr2(t, dts):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
+
+        wdts = (types.float32,) if wkind == "f32" else (types.int16, types.uint16)
+        if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
+                and arr2(w0, wdts) and w1 == w0):
+            return None
+        for tup, n in ((ai, nt * nr), (xi, nt), (wi, nr)):
+            if not (isinstance(tup, types.UniTuple) and tup.count == n and isinstance(tup.dtype, types.Integer)):
+                return None
+        if not all(isinstance(v, types.Integer) for v in (xoff, woff, nj)):
+            return None
+        sig = types.void(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj)
+
+        def codegen(context, builder, sig, args):
+            acc_t, ai_t, x0_t, x1_t, xi_t, xoff_t, w0_t, w1_t, wi_t, woff_t, nj_t = sig.args
+            acc_v, ai_v, x0_v, x1_v, xi_v, xoff_v, w0_v, w1_v, wi_v, woff_v, nj_v = args
+
+            def i64(v, t):
+                return context.cast(builder, v, t, types.int64)
+
+            zero = _I64(0)
+            ai = [i64(v, ai_t.dtype) for v in cgutils.unpack_tuple(builder, ai_v, ai_t.count)]
+            xi = [i64(v, xi_t.dtype) for v in cgutils.unpack_tuple(builder, xi_v, xi_t.count)]
+            wi = [i64(v, wi_t.dtype) for v in cgutils.unpack_tuple(builder, wi_v, wi_t.count)]
+            xoff, woff, n = i64(xoff_v, xoff_t), i64(woff_v, woff_t), i64(nj_v, nj_t)
+            accp = [_row_ptr(context, builder, acc_t, acc_v, a, zero) for a in ai]
+            xarr = [(x0_t, x0_v), (x1_t, x1_v)][:streams]
+            warr = [(w0_t, w0_v), (w1_t, w1_v)][:streams]
+            # pointer lists indexed [t * streams + s] and [r * streams + s]
+            xp = [_row_ptr(context, builder, ty, v, t, xoff) for t in xi for (ty, v) in xarr]
+            wp = [_row_ptr(context, builder, ty, v, r, woff) for r in wi for (ty, v) in warr]
+            a0 = [_vload(builder, p, zero, _F32, LANES) for p in accp]
+            pre = builder.block
+            loop = builder.append_basic_block("vdot.loop")
+            done = builder.append_basic_block("vdot.done")
+            builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
+            builder.position_at_end(loop)
+            j = builder.phi(_I64)
+            acc = [builder.phi(_VF) for _ in a0]
+            j.add_incoming(zero, pre)
+            for a, v in zip(acc, a0):
+                a.add_incoming(v, pre)
+            off = builder.mul(j, _I64(LANES))
+            xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
+            if wkind == "f32":
+                wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
+            else:
+                wv = [widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)) for p in wp]
+            new = list(acc)
+            for s in range(streams):
+                for t in range(nt):
+                    for r in range(nr):
+                        k = t * nr + r
+                        new[k] = _vfma(builder, xv[t * streams + s], wv[r * streams + s], new[k])
+            jn = builder.add(j, _I64(1))
+            tail = builder.block
+            j.add_incoming(jn, tail)
+            for a, v in zip(acc, new):
+                a.add_incoming(v, tail)
+            builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
+            builder.position_at_end(done)
+            fins = []
+            for v0, v1 in zip(a0, new):       # all phis first, then the stores
+                fin = builder.phi(_VF)
+                fin.add_incoming(v0, pre)
+                fin.add_incoming(v1, tail)
+                fins.append(fin)
+            for p, fin in zip(accp, fins):
+                _vstore(builder, fin, p, zero)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"vdot_{nt}x{nr}_s{streams}_{wkind}"
+    return intrinsic(typer)
+
+
+_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming
+_vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
+_vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
+
+
+@intrinsic
+def _widen_row(typingctx, dst, src, nj):
+    """dst[0:64*nj] = fp32(src[0:64*nj]) for bf16 bits src (vectorised, exact)."""
+    if not (isinstance(dst, types.Array) and dst.dtype == types.float32 and
+            isinstance(src, types.Array) and src.dtype in (types.int16, types.uint16) and
+            isinstance(nj, types.Integer)):
+        return None
+    sig = types.void(dst, src, nj)
+
+    def codegen(context, builder, sig, args):
+        dp = _data_ptr(context, builder, sig.args[0], args[0])
+        sp = _data_ptr(context, builder, sig.args[1], args[1])
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        with cgutils.for_range(builder, n) as loop:
+            off = builder.mul(loop.index, _I64(LANES))
+            v = widen_bf16_vec(builder, _vload(builder, sp, off, _I16, LANES))
+            _vstore(builder, v, dp, off)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, v):
+    """16-bit pattern (int16/uint16) of a bf16 -> the float32 it denotes (exact)."""
+    if not isinstance(v, types.Integer) or v.bitwidth != 16:
+        return None
+    sig = types.float32(v)
+
+    def codegen(context, builder, sig, args):
+        x = builder.zext(args[0], _I32)
+        x = builder.shl(x, _I32(16))
+        return builder.bitcast(x, _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c in float32 with a single rounding (llvm.fma.f32)."""
+    if not all(isinstance(t, types.Float) and t.bitwidth == 32 for t in (a, b, c)):
+        return None
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _zero(a):
+    for i in range(a.shape[0]):
+        a[i] = np.float32(0.0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tree_sum(a):
+    """Step 3 of the canonical order over the first LANES entries (destroys ``a``)."""
+    h = LANES // 2
+    while h >= 1:
+        for i in range(h):
+            a[i] = a[i] + a[i + h]
+        h //= 2
+    return a[0]
+
+
+# =========================================================================== kernels
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16_gemv(x, w, out, rb):
+    """out[n] = x[0] . fp32(w[n]) for x float32 [1, K], w bf16 bits [N, K], out float32 [N]."""
+    N, K = w.shape
+    nj = K // LANES
+    km = nj * LANES
+    nblk = (N + rb - 1) // rb
+    for b in prange(nblk):
+        acc = np.empty((1, LANES), np.float32)
+        a = acc[0]
+        for n in range(b * rb, min(N, (b + 1) * rb)):
+            _zero(a)
+            _vdot_bf16(acc, (0,), x, x, (0,), 0, w, w, (n,), 0, nj)
+            for i in range(K - km):
+                a[i] = _fma(x[0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
+            out[n] = _tree_sum(a)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16_gemm(x, w, out, rb, tb, kc):
+    """out[t, n] = x[t] . fp32(w[n]) for x float32 [T, K], w bf16 bits [N, K], out [T, N].
+
+    Same canonical order as ``_bf16_gemv``: lane accumulators persist across K-chunks;
+    2x2 (token, row) register tiles where possible, 1x1 at the edges."""
+    T, K = x.shape
+    N = w.shape[0]
+    nj = K // LANES
+    km = nj * LANES
+    nblk = (N + rb - 1) // rb
+    for b in prange(nblk):
+        r0 = b * rb
+        nrb = min(N, r0 + rb) - r0
+        wf = np.empty((rb, kc), np.float32)
+        acc = np.empty((rb * tb, LANES), np.float32)     # row r, token t at r * tb + t
+        for t0 in range(0, T, tb):
+            ntb = min(T, t0 + tb) - t0
+            for r in range(nrb):
+                for t in range(ntb):
+                    _zero(acc[r * tb + t])
+            for c0 in range(0, km, kc):
+                c1 = min(km, c0 + kc)
+                njc = (c1 - c0) // LANES
+                for r in range(nrb):                      # widen the block's chunk once
+                    _widen_row(wf[r], w[r0 + r, c0:c1], njc)
+                t = 0
+                while t < ntb:
+                    ta = t0 + t
+                    if t + 1 < ntb:
+                        r = 0
+                        while r + 1 < nrb:
+                            _vdot_f32_2x2(acc, (r * tb + t, (r + 1) * tb + t, r * tb + t + 1, (r + 1) * tb + t + 1),
+                                          x, x, (ta, ta + 1), c0, wf, wf, (r, r + 1), 0, njc)
+                            r += 2
+                        if r < nrb:
+                            _vdot_f32(acc, (r * tb + t,), x, x, (ta,), c0, wf, wf, (r,), 0, njc)
+                            _vdot_f32(acc, (r * tb + t + 1,), x, x, (ta + 1,), c0, wf, wf, (r,), 0, njc)
+                        t += 2
+                    else:
+                        for r in range(nrb):
+                            _vdot_f32(acc, (r * tb + t,), x, x, (ta,), c0, wf, wf, (r,), 0, njc)
+                        t += 1
+            for t in range(ntb):
+                ta = t0 + t
+                for r in range(nrb):
+                    a = acc[r * tb + t]
+                    for i in range(K - km):
+                        a[i] = _fma(x[ta, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
+                    out[ta, r0 + r] = _tree_sum(a)
+
+
+# =========================================================================== wrappers
+def _as_f32_activations(x, name="x"):
+    """x (torch or numpy, float32, 1-D or 2-D) -> (C-contiguous float32 numpy [T, K], was_1d)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+        if x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {x.dtype}")
+        xn = x.detach().numpy()
+    elif isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise ValueError(f"{name} must be float32, got numpy {x.dtype}")
+        xn = x
+    else:
+        raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if xn.ndim not in (1, 2):
+        raise ValueError(f"{name} must be 2-D [T, K] (or 1-D [K]), got shape {tuple(xn.shape)}")
+    was_1d = xn.ndim == 1
+    if was_1d:
+        xn = xn.reshape(1, -1)
+    # activations are small: a contiguous copy (only when needed) keeps the kernels simple
+    return np.ascontiguousarray(xn), was_1d
+
+
+def _as_bf16_bits(w):
+    """w: torch.bfloat16 [N, K] (or numpy uint16/int16 bit patterns) -> numpy, zero-copy."""
+    if isinstance(w, torch.Tensor):
+        if w.device.type != "cpu":
+            raise ValueError(f"w must be a CPU tensor, got device {w.device}")
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"w must be torch.bfloat16, got {w.dtype}")
+        if w.dim() != 2:
+            raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
+        if not w.is_contiguous():
+            raise ValueError("w must be contiguous (make it contiguous once at load time; "
+                             "bf16_linear never copies a weight matrix)")
+        return w.detach().view(torch.int16).numpy()
+    if isinstance(w, np.ndarray):
+        if w.dtype not in (np.uint16, np.int16):
+            raise ValueError(f"numpy w must hold bf16 bit patterns as uint16/int16, got {w.dtype}")
+        if w.ndim != 2:
+            raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
+        if not w.flags.c_contiguous:
+            raise ValueError("w must be C-contiguous")
+        return w.view(np.int16)  # one kernel specialisation for both spellings
+    raise ValueError(f"w must be a torch.bfloat16 tensor, got {type(w).__name__}")
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: float32 [T, K] (T = 1..~4096 tokens), w: torch.bfloat16 [N, K] (contiguous).
+
+    Returns float32 [T, N] = x @ fp32(w).T, fused: the bf16 weight is widened on the fly,
+    never materialising fp32(w). A 1-D x [K] gives a 1-D result [N]. A non-contiguous x
+    is copied (activations only); a non-contiguous w is refused with ValueError.
+    Summation order: the canonical order of the module docstring, so the result is
+    bit-identical for any thread count and any number of tokens sharing the call."""
+    xn, was_1d = _as_f32_activations(x)
+    wb = _as_bf16_bits(w)
+    T, K = xn.shape
+    N, Kw = wb.shape
+    if Kw != K:
+        raise ValueError(f"shape mismatch: x is [{T}, {K}] but w is [{N}, {Kw}] (in-features differ)")
+    out = np.empty((T, N), dtype=np.float32)
+    if T > 0 and N > 0:
+        if K == 0:
+            out[:] = 0.0
+        elif T == 1:
+            _bf16_gemv(xn, wb, out[0], _RB1)
+        else:
+            _bf16_gemm(xn, wb, out, _RB, min(T, _TB), _KC)
+    res = torch.from_numpy(out)
+    return res[0] if was_1d else res

@@ -1,0 +1,413 @@
+"""MXFP4 ("mxfp4-pack-quantized", compressed-tensors) decode and fused decode+matmul.
+
+Format (spec section 4): a logical weight W [R, C] is stored as ``packed`` uint8 [R, C/2]
+and ``scale`` uint8 [R, C/32]. Byte j of a row holds element 2j in its low nibble and
+element 2j+1 in its high nibble. Nibble n: sign = bit 3, magnitude = E2M1[n & 7].
+W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
+
+* Every such value is exactly representable in fp32 (including scale byte 0, which
+  gives 2^-127, a subnormal; 0.5 * 2^-127 = 2^-128 is still exact), so decoding is
+  bit-exact and the decoded weight the matmul sees equals the dequantised weight.
+* Scale byte 255 (E8M0 NaN in the OCP spec) decodes the whole group of 32 to +0.0,
+  like the C engine kimi-k3-in-c. compressed-tensors gives +inf there (and NaN for the
+  zero nibbles). Neither 0x00 nor 0xFF occurs in the K3 experts that were checked.
+* Scale byte 254 with magnitude >= 2 overflows fp32 and gives +-inf, exactly like
+  compressed-tensors' bf16 result.
+
+``mxfp4_linear`` never builds the dequantised matrix. For T = 1 (decode) each 64-byte
+step of a row is decoded in SIMD registers (integer ops: nibble -> E2M1 bits, scale
+byte -> 2^(s-127) bits, one exact fp32 multiply) and consumed at once; the packed
+bytes are read exactly once. For T > 1 a block of ``_RB`` rows is decoded once into a
+small per-thread fp32 scratch (exact values, a few KiB per row) and reused for every
+token with 2-token x 2-row register tiles. Both paths compute the same canonical order
+of one output y[t, r] (P = C/2 bytes per row, ``LANES`` = 64 fp32 accumulators
+starting at +0.0, Pm = P - P % 64):
+
+1. for j = 0 .. Pm/64 - 1, for every lane l, with p = 64j + l (a byte index):
+   ``a[l] = fma(x[2p], W[2p], a[l]); a[l] = fma(x[2p+1], W[2p+1], a[l])``
+2. the tail bytes p = Pm + l (l < P % 64) the same way into lane l;
+3. the halving tree of ``k3.quant.bf16`` (h = 32 .. 1), result a[0].
+
+(A zero group, scale 255, contributes signed zeros to the sum, which cannot change it:
+the accumulators start at +0.0, so the result equals decode-then-matmul bit for bit.)
+
+No fast-math reassociation, so the bits do not depend on the thread count, the number
+of tokens in the call (decode == prefill) or the machine's SIMD width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _tree_sum, _vfma, _vload,
+                   _vstore, _zero, make_vdot)
+
+__all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "GROUP"]
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude table; bit 3 of the nibble = sign
+GROUP = 32  # elements per scale byte
+
+_RB1 = 16    # rows per prange iteration (decode, and T = 1)
+_RB = 8      # rows decoded together and reused across tokens when T > 1 (even)
+_TB = 64     # tokens per block (bounds the accumulator scratch)
+_JC = 4      # 64-byte steps per chunk (keeps a chunk of rb rows + 2 tokens in L1)
+
+
+# --------------------------------------------------------------------------- intrinsics
+def _dec_nibble_ir(builder, n, vt):
+    """E2M1 nibbles n (i32 or <L x i32>, values 0..15) -> float bits (same shape)."""
+    def c(v):
+        return ir.Constant(vt, [v] * vt.count) if isinstance(vt, ir.VectorType) else ir.Constant(vt, v)
+    m = builder.and_(n, c(7))
+    # m >= 2: exponent (m >> 1) + 126, mantissa bit (m & 1): (m << 22) + 0x3F000000
+    big = builder.add(builder.shl(m, c(22)), c(0x3F000000))
+    # m == 1 -> 0.5 = 0x3F000000; m == 0 -> 0
+    small = builder.and_(builder.neg(m), c(0x3F000000))
+    mag = builder.select(builder.icmp_unsigned("<", m, c(2)), small, big)
+    sign = builder.shl(builder.and_(n, c(8)), c(28))
+    return builder.or_(mag, sign)
+
+
+def _scale_bits_ir(builder, s, vt):
+    """E8M0 scale bytes s (zero-extended i32 / <n x i32>) -> fp32 bits of 2^(s-127);
+    0 -> 2^-127 (subnormal 0x00400000); 255 -> +0.0 (zero group)."""
+    def c(v):
+        return ir.Constant(vt, [v] * vt.count) if isinstance(vt, ir.VectorType) else ir.Constant(vt, v)
+    bits = builder.shl(s, c(23))
+    bits = builder.select(builder.icmp_unsigned("==", s, c(0)), c(0x00400000), bits)
+    return builder.select(builder.icmp_unsigned("==", s, c(255)), c(0), bits)
+
+
+def _make_nibble_decoder(high: bool):
+    """Scalar: uint8 byte -> float32 E2M1 value of its low (or high) nibble, unscaled."""
+
+    @intrinsic
+    def dec(typingctx, b):
+        if not isinstance(b, types.Integer) or b.bitwidth != 8:
+            return None
+        sig = types.float32(b)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            v = builder.zext(args[0], i32)
+            if high:
+                v = builder.lshr(v, i32(4))
+            n = builder.and_(v, i32(15))
+            return builder.bitcast(_dec_nibble_ir(builder, n, i32), ir.FloatType())
+
+        return sig, codegen
+
+    return dec
+
+
+_dec_lo = _make_nibble_decoder(False)
+_dec_hi = _make_nibble_decoder(True)
+
+
+@intrinsic
+def _scale_f32(typingctx, s):
+    """Scalar: scale byte -> its fp32 factor (255 -> 0.0)."""
+    if not isinstance(s, types.Integer) or s.bitwidth != 8:
+        return None
+    sig = types.float32(s)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        v = builder.zext(args[0], i32)
+        return builder.bitcast(_scale_bits_ir(builder, v, i32), ir.FloatType())
+
+    return sig, codegen
+
+
+_GPJ = LANES // 16  # scale groups per 64-byte step
+
+
+def _decode_step_ir(builder, pp, sp, j):
+    """Decode bytes [64j, 64j+64) of a row: (we, wo) <64 x float> = even / odd elements,
+    scaled (exact). pp: i8* packed row, sp: i8* scale row."""
+    I64 = ir.IntType(64)
+    VI32 = ir.VectorType(ir.IntType(32), LANES)
+    off = builder.mul(j, I64(LANES))
+    v = builder.zext(_vload(builder, pp, off, ir.IntType(8), LANES), VI32)
+    lo = builder.and_(v, ir.Constant(VI32, [15] * LANES))
+    hi = builder.lshr(v, ir.Constant(VI32, [4] * LANES))
+    VS = ir.VectorType(ir.IntType(32), _GPJ)
+    s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), ir.IntType(8), _GPJ), VS)
+    sc4 = builder.bitcast(_scale_bits_ir(builder, s4, VS), ir.VectorType(ir.FloatType(), _GPJ))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [i // 16 for i in range(LANES)])
+    sc = builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), mask)
+    VF = ir.VectorType(ir.FloatType(), LANES)
+    we = builder.fmul(builder.bitcast(_dec_nibble_ir(builder, lo, VI32), VF), sc)
+    wo = builder.fmul(builder.bitcast(_dec_nibble_ir(builder, hi, VI32), VF), sc)
+    return we, wo
+
+
+def _u8_array(t):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.uint8
+
+
+def _f32_array(t):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+
+
+@intrinsic
+def _vdot_mxfp4(typingctx, acc, xe, xo, pk, sc, nj):
+    """Fused step 1 for one row and one token: for j < nj, decode bytes [64j, 64j+64)
+    in registers and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise (64 lanes)."""
+    if not (_f32_array(acc) and _f32_array(xe) and _f32_array(xo) and _u8_array(pk)
+            and _u8_array(sc) and isinstance(nj, types.Integer)):
+        return None
+    sig = types.void(acc, xe, xo, pk, sc, nj)
+
+    def codegen(context, builder, sig, args):
+        I64 = ir.IntType(64)
+        VF = ir.VectorType(ir.FloatType(), LANES)
+        ap, xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:5], args[:5]))
+        n = context.cast(builder, args[5], sig.args[5], types.int64)
+        zero = I64(0)
+        a0 = _vload(builder, ap, zero, ir.FloatType(), LANES)
+        pre = builder.block
+        loop = builder.append_basic_block("vmx.loop")
+        done = builder.append_basic_block("vmx.done")
+        builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
+        builder.position_at_end(loop)
+        j = builder.phi(I64)
+        a = builder.phi(VF)
+        j.add_incoming(zero, pre)
+        a.add_incoming(a0, pre)
+        we, wo = _decode_step_ir(builder, pp, sp, j)
+        off = builder.mul(j, I64(LANES))
+        a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, a)
+        a2 = _vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)
+        jn = builder.add(j, I64(1))
+        tail = builder.block
+        j.add_incoming(jn, tail)
+        a.add_incoming(a2, tail)
+        builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
+        builder.position_at_end(done)
+        fin = builder.phi(VF)
+        fin.add_incoming(a0, pre)
+        fin.add_incoming(a2, tail)
+        _vstore(builder, fin, ap, zero)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _vdecode_split(typingctx, we, wo, pk, sc, nj):
+    """we/wo[0:64*nj] = scaled even/odd elements of bytes [0, 64*nj) of a row."""
+    if not (_f32_array(we) and _f32_array(wo) and _u8_array(pk) and _u8_array(sc)
+            and isinstance(nj, types.Integer)):
+        return None
+    sig = types.void(we, wo, pk, sc, nj)
+
+    def codegen(context, builder, sig, args):
+        I64 = ir.IntType(64)
+        wep, wop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
+        n = context.cast(builder, args[4], sig.args[4], types.int64)
+        with cgutils.for_range(builder, n) as loop:
+            e, o = _decode_step_ir(builder, pp, sp, loop.index)
+            off = builder.mul(loop.index, I64(LANES))
+            _vstore(builder, e, wep, off)
+            _vstore(builder, o, wop, off)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_vdot2_f32 = make_vdot(1, 1, 2, "f32")
+_vdot2_f32_2x2 = make_vdot(2, 2, 2, "f32")
+
+
+# --------------------------------------------------------------------------- kernels
+@njit(cache=True, nogil=True, inline="always")
+def _decode_tail(pk, sc, we, wo, p0, P):
+    """Scalar decode of bytes [p0, P) (whole 16-byte groups) into we/wo[0 : P-p0]."""
+    for p in range(p0, P):
+        f = _scale_f32(sc[p // 16])
+        b = pk[p]
+        we[p - p0] = _dec_lo(b) * f
+        wo[p - p0] = _dec_hi(b) * f
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _decode_kernel(packed, scale, out, rb):
+    """out float32 [R, G, 32] <- packed uint8 [R, G, 16], scale uint8 [R, G]."""
+    R, G = scale.shape
+    nblk = (R + rb - 1) // rb
+    for b in prange(nblk):
+        for r in range(b * rb, min(R, (b + 1) * rb)):
+            for g in range(G):
+                s = scale[r, g]
+                o = out[r, g]
+                if s == 255:
+                    for i in range(32):
+                        o[i] = np.float32(0.0)
+                else:
+                    f = _scale_f32(s)
+                    pk = packed[r, g]
+                    for i in range(16):
+                        o[2 * i] = _dec_lo(pk[i]) * f
+                        o[2 * i + 1] = _dec_hi(pk[i]) * f
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_gemv(xe, xo, packed, scale, out, rb):
+    """T = 1: out[r] = x . W[r], decode fused in registers. xe/xo float32 [P]."""
+    R, P = packed.shape
+    nj = P // LANES
+    pm = nj * LANES
+    nblk = (R + rb - 1) // rb
+    xet = xe[pm:]
+    xot = xo[pm:]
+    for b in prange(nblk):
+        acc = np.empty(LANES, np.float32)
+        te = np.empty(LANES, np.float32)
+        to = np.empty(LANES, np.float32)
+        for r in range(b * rb, min(R, (b + 1) * rb)):
+            _zero(acc)
+            pk = packed[r]
+            sc = scale[r]
+            _vdot_mxfp4(acc, xe, xo, pk, sc, nj)
+            if pm < P:
+                _decode_tail(pk, sc, te, to, pm, P)
+                for i in range(P - pm):
+                    acc[i] = _fma(xot[i], to[i], _fma(xet[i], te[i], acc[i]))
+            out[r] = _tree_sum(acc)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc):
+    """T > 1: decode a block of rb rows once into an exact fp32 scratch, then sweep it in
+    chunks of jc 64-byte steps with 2x2 (token, row) register tiles; accumulator lanes
+    persist across chunks, so the order is the canonical one of ``_mxfp4_gemv``.
+    xe/xo float32 [T, P]; out float32 [T, R]."""
+    T, P = xe.shape
+    R = packed.shape[0]
+    nj = P // LANES
+    pm = nj * LANES
+    nblk = (R + rb - 1) // rb
+    for b in prange(nblk):
+        r0 = b * rb
+        nrb = min(R, r0 + rb) - r0
+        we = np.empty((rb, P), np.float32)
+        wo = np.empty((rb, P), np.float32)
+        acc = np.empty((rb * tb, LANES), np.float32)     # row r, token t at r * tb + t
+        for r in range(nrb):
+            _vdecode_split(we[r], wo[r], packed[r0 + r], scale[r0 + r], nj)
+            if pm < P:
+                _decode_tail(packed[r0 + r], scale[r0 + r], we[r, pm:], wo[r, pm:], pm, P)
+        for t0 in range(0, T, tb):
+            ntb = min(T, t0 + tb) - t0
+            for r in range(nrb):
+                for t in range(ntb):
+                    _zero(acc[r * tb + t])
+            for c0 in range(0, nj, jc):
+                n = min(nj, c0 + jc) - c0
+                e0 = c0 * LANES
+                t = 0
+                while t < ntb:
+                    ta = t0 + t
+                    if t + 1 < ntb:
+                        r = 0
+                        while r + 1 < nrb:
+                            _vdot2_f32_2x2(acc, (r * tb + t, (r + 1) * tb + t, r * tb + t + 1, (r + 1) * tb + t + 1),
+                                           xe, xo, (ta, ta + 1), e0, we, wo, (r, r + 1), e0, n)
+                            r += 2
+                        if r < nrb:
+                            _vdot2_f32(acc, (r * tb + t,), xe, xo, (ta,), e0, we, wo, (r,), e0, n)
+                            _vdot2_f32(acc, (r * tb + t + 1,), xe, xo, (ta + 1,), e0, we, wo, (r,), e0, n)
+                        t += 2
+                    else:
+                        for r in range(nrb):
+                            _vdot2_f32(acc, (r * tb + t,), xe, xo, (ta,), e0, we, wo, (r,), e0, n)
+                        t += 1
+            for t in range(ntb):
+                ta = t0 + t
+                for r in range(nrb):
+                    a = acc[r * tb + t]
+                    for i in range(P - pm):
+                        a[i] = _fma(xo[ta, pm + i], wo[r, pm + i], _fma(xe[ta, pm + i], we[r, pm + i], a[i]))
+                    out[ta, r0 + r] = _tree_sum(a)
+
+
+# --------------------------------------------------------------------------- wrappers
+def _as_u8(a, name):
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got device {a.device}")
+        if a.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8, got {a.dtype}")
+        a = a.detach().numpy()
+    elif isinstance(a, np.ndarray):
+        if a.dtype != np.uint8:
+            raise ValueError(f"{name} must be uint8, got numpy {a.dtype}")
+    else:
+        raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (packed weights are never copied per call)")
+    return a
+
+
+def _check_packed_scale(packed, scale):
+    p = _as_u8(packed, "packed")
+    s = _as_u8(scale, "scale")
+    R, P = p.shape
+    if (2 * P) % GROUP != 0:
+        raise ValueError(f"logical width C = 2 * {P} = {2 * P} is not a multiple of {GROUP} "
+                         f"(packed is [{R}, {P}])")
+    if s.shape != (R, (2 * P) // GROUP):
+        raise ValueError(f"scale shape {tuple(s.shape)} inconsistent with packed [{R}, {P}]: "
+                         f"expected [{R}, {(2 * P) // GROUP}] (one byte per {GROUP} elements)")
+    return p, s
+
+
+def decode_mxfp4(packed, scale) -> torch.Tensor:
+    """packed uint8 [R, C/2] (torch or numpy), scale uint8 [R, C/32] -> float32 [R, C], bit-exact.
+
+    Low nibble of byte j = element 2j, high nibble = element 2j+1;
+    value = E2M1[n & 7] * (-1 if n & 8) * 2^(s-127). Scale byte 255: the group of 32
+    decodes to +0.0 (compressed-tensors gives +inf). Scale 0 gives 2^-127 (exact).
+    Materialises the whole matrix: for tests, tools and small tensors, not the hot path."""
+    p, s = _check_packed_scale(packed, scale)
+    R, P = p.shape
+    G = s.shape[1]
+    out = np.empty((R, 2 * P), dtype=np.float32)
+    if R and P:
+        _decode_kernel(p.reshape(R, G, 16), s, out.reshape(R, G, 32), _RB1)
+    return torch.from_numpy(out)
+
+
+def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
+    """x float32 [T, C] (any T >= 0), packed/scale as in ``decode_mxfp4`` for a logical
+    weight [R, C]. Returns float32 [T, R] = x @ decode(packed, scale).T, fused: rows are
+    decoded a few at a time into a small scratch, never the full matrix. A 1-D x [C]
+    gives a 1-D result [R]. Bit-identical for any thread count and any T (module doc)."""
+    xn, was_1d = _as_f32_activations(x)
+    p, s = _check_packed_scale(packed, scale)
+    T, C = xn.shape
+    R, P = p.shape
+    if C != 2 * P:
+        raise ValueError(f"shape mismatch: x is [{T}, {C}] but packed [{R}, {P}] holds a "
+                         f"[{R}, {2 * P}] weight (in-features differ)")
+    out = np.empty((T, R), dtype=np.float32)
+    if T and R:
+        if P == 0:
+            out[:] = 0.0
+        else:
+            xe = np.ascontiguousarray(xn[:, 0::2])
+            xo = np.ascontiguousarray(xn[:, 1::2])
+            if T == 1:
+                _mxfp4_gemv(xe[0], xo[0], p, s, out[0], _RB1)
+            else:
+                _mxfp4_gemm(xe, xo, p, s, out, _RB, min(T, _TB), _JC)
+    res = torch.from_numpy(out)
+    return res[0] if was_1d else res

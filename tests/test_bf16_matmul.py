@@ -1,0 +1,151 @@
+"""Fused BF16 linear (k3.quant.bf16): accuracy vs float64, the canonical summation order
+(bit-exact emulation), thread-count and batch independence, odd shapes, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3.quant import LANES, bf16_linear, get_num_threads, max_threads, set_num_threads
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().numpy().view(np.uint32)
+
+
+def _case(seed, T, N, K):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    return x, w
+
+
+def _check_accuracy(x, w, y):
+    ref = x.double() @ w.double().T
+    bound = x.double().abs() @ w.double().abs().T          # sum |x||w|
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= 1e-6 * bound + 1e-30), (err / bound).max().item()
+    nref = torch.linalg.norm(ref)
+    if nref > 0:
+        assert (torch.linalg.norm(y.double() - ref) / nref).item() < 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 2, 33, 65])
+@pytest.mark.parametrize("N,K", [(1, 7), (1, 64), (5, 100), (17, 1000), (64, 4096 + 13), (3, 12288)])
+def test_vs_float64(T, N, K):
+    x, w = _case(T * 7919 + N * 31 + K, T, N, K)
+    y = bf16_linear(x, w)
+    assert y.dtype == torch.float32 and y.shape == (T, N)
+    _check_accuracy(x, w, y)
+
+
+def _emulate_canonical(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The documented order, with fma(a, b, c) = fp32(fp64(a) * fp64(b) + fp64(c)):
+    the product is exact in fp64, so this differs from a true fma only on a double
+    rounding (probability ~2^-29 per step; these small cases are fixed and pass)."""
+    T, K = x.shape
+    N = w.shape[0]
+    km = K - K % LANES
+    out = np.empty((T, N), np.float32)
+    x64 = x.astype(np.float64)
+    w64 = w.astype(np.float64)
+    for t in range(T):
+        for n in range(N):
+            a = np.zeros(LANES, np.float32)
+            for j in range(0, km, LANES):
+                a = (x64[t, j:j + LANES] * w64[n, j:j + LANES] + a.astype(np.float64)).astype(np.float32)
+            for i in range(K - km):
+                a[i] = np.float32(x64[t, km + i] * w64[n, km + i] + np.float64(a[i]))
+            h = LANES // 2
+            while h >= 1:
+                a[:h] = a[:h] + a[h:2 * h]
+                h //= 2
+            out[t, n] = a[0]
+    return out
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 5, 200), (3, 5, 200), (4, 3, 64 * 5 + 33)])
+def test_canonical_order_bit_exact(T, N, K):
+    x, w = _case(11 + T + K, T, N, K)
+    y = bf16_linear(x, w)
+    emu = _emulate_canonical(x.numpy(), w.float().numpy())
+    assert np.array_equal(_bits(y), emu.view(np.uint32))
+
+
+def test_thread_count_and_batch_independence():
+    T, N, K = 33, 301, 1000 + 5
+    x, w = _case(3, T, N, K)
+    before = get_num_threads()
+    try:
+        set_num_threads(1)
+        y1 = bf16_linear(x, w)
+        rows = torch.stack([bf16_linear(x[t:t + 1], w)[0] for t in range(T)])
+        set_num_threads(2)
+        y2 = bf16_linear(x, w)
+        y2_rows = torch.stack([bf16_linear(x[t:t + 1], w)[0] for t in (0, T - 1)])
+    finally:
+        set_num_threads(before)
+    # a token's result does not depend on how many tokens share the call (decode == prefill)
+    assert np.array_equal(_bits(y1), _bits(rows))
+    assert np.array_equal(_bits(y1[[0, T - 1]]), _bits(y2_rows))
+    # nor on an arbitrary split of the token batch (token blocks of 64 and pairs)
+    x130 = torch.cat([x, x, x, x, x[:-2]])          # 130 tokens: crosses a token block
+    assert np.array_equal(_bits(bf16_linear(x130, w)[:T]), _bits(y1))
+    if max_threads() < 2:
+        pytest.skip("only one numba thread available here")
+    assert np.array_equal(_bits(y1), _bits(y2))
+
+
+def test_non_contiguous_input():
+    x, w = _case(4, 6, 9, 130)
+    xt = x.T.contiguous().T                         # same values, column-major strides
+    assert not xt.is_contiguous()
+    assert torch.equal(bf16_linear(xt, w), bf16_linear(x, w))
+    xs = torch.randn(6, 260)[:, ::2]                # strided view
+    assert torch.equal(bf16_linear(xs, w), bf16_linear(xs.contiguous(), w))
+    with pytest.raises(ValueError, match="contiguous"):
+        bf16_linear(x, w.T.contiguous().T)          # a weight is never copied per call
+
+
+def test_numpy_bits_1d_and_empty():
+    x, w = _case(5, 2, 4, 70)
+    y = bf16_linear(x, w)
+    wb = w.view(torch.int16).numpy()
+    assert torch.equal(bf16_linear(x.numpy(), wb), y)
+    assert torch.equal(bf16_linear(x, wb.view(np.uint16)), y)
+    v = bf16_linear(x[1], w)
+    assert v.shape == (4,) and torch.equal(v, y[1])
+    assert bf16_linear(torch.zeros(0, 70), w).shape == (0, 4)
+    assert torch.equal(bf16_linear(torch.zeros(3, 0), torch.zeros(4, 0, dtype=torch.bfloat16)),
+                       torch.zeros(3, 4))
+
+
+def test_special_values_propagate():
+    x, w = _case(6, 2, 3, 100)
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    y = bf16_linear(x, w)
+    assert torch.isnan(y[0]).all()
+    ref = x[1].double() @ w.double().T
+    assert torch.equal(torch.isinf(y[1]), torch.isinf(ref)) and torch.equal(torch.sign(y[1]), torch.sign(ref).float())
+
+
+def test_validation_errors():
+    x, w = _case(7, 2, 3, 16)
+    with pytest.raises(ValueError, match="in-features"):
+        bf16_linear(x, torch.zeros(3, 17, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        bf16_linear(x, w.float())
+    with pytest.raises(ValueError, match="float32"):
+        bf16_linear(x.double(), w)
+    with pytest.raises(ValueError, match="float32"):
+        bf16_linear(x.to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="2-D"):
+        bf16_linear(x.reshape(1, 2, 16), w)
+    with pytest.raises(ValueError, match="2-D"):
+        bf16_linear(x, w.reshape(3, 4, 4))
+    with pytest.raises(ValueError, match="uint16"):
+        bf16_linear(x, np.zeros((3, 16), np.float32))
+    with pytest.raises(ValueError):
+        set_num_threads(0)

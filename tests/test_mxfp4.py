@@ -1,0 +1,255 @@
+"""MXFP4 decode (bit-exact) and fused decode+matmul (k3.quant.mxfp4).
+
+References: compressed-tensors' MXFP4PackedCompressor (an independent decoder), the
+frozen real-data vector of spec section 4, and the real checkpoint bytes of
+../shared/fixtures/k3-in-c-v1/mxfp4.json (which also records what a nibble-swapped
+decoder would produce, so we can show the fixture catches that bug).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from k3.quant import E2M1, decode_mxfp4, get_num_threads, max_threads, mxfp4_linear, set_num_threads
+
+FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "k3-in-c-v1" / "mxfp4.json"
+
+
+def _bits(a) -> np.ndarray:
+    a = a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _ref_decode_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Plain numpy decoder written from the spec (float64, then exact cast)."""
+    lut = np.array(list(E2M1) + [-v for v in E2M1], dtype=np.float64)
+    R, P = packed.shape
+    w = np.empty((R, 2 * P), dtype=np.float64)
+    w[:, 0::2] = lut[packed & 15]
+    w[:, 1::2] = lut[packed >> 4]
+    f = np.ldexp(1.0, scale.astype(np.int64) - 127)
+    f[scale == 255] = 0.0
+    w *= np.repeat(f, 32, axis=1)
+    w[np.repeat(scale == 255, 32, axis=1)] = 0.0  # +0.0, also for negative nibbles
+    with np.errstate(over="ignore"):               # scale 254: 2 * 2^127 overflows to inf, as in fp32
+        return w.astype(np.float32)
+
+
+def _ct_decompress(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    ct = pytest.importorskip("compressed_tensors")
+    del ct
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
+        scale_dtype=torch.uint8))
+    out = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)
+    return out["weight"]
+
+
+# ---------------------------------------------------------------------------- decoder
+def test_decode_matches_compressed_tensors_bit_exact():
+    rng = np.random.default_rng(1)
+    R, C = 96, 1024
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    scale = rng.integers(1, 255, (R, C // 32), dtype=np.uint8)   # 1..254
+    scale.flat[:254] = np.arange(1, 255, dtype=np.uint8)          # every normal byte occurs
+    scale[-1, :] = 0                                               # 2^-127 (subnormal) row
+    ct = _ct_decompress(torch.from_numpy(packed), torch.from_numpy(scale))
+    assert ct.shape == (R, C)
+    ours = decode_mxfp4(packed, scale)
+    assert ours.dtype == torch.float32 and ours.shape == (R, C)
+    # compressed-tensors returns bf16; every MXFP4 value is exact in bf16, so widening
+    # it to fp32 must reproduce our fp32 bits (inf at scale 254 included)
+    assert np.array_equal(_bits(ours), _bits(ct.float()))
+    assert np.array_equal(_bits(ours), _bits(_ref_decode_np(packed, scale)))
+    assert np.isinf(ours.numpy()).any()              # 2 * 2^127 overflows, like ct
+    sub = ours[-1].numpy()
+    assert np.abs(sub[sub != 0]).min() == np.float32(2.0 ** -128)   # 0.5 * 2^-127, exact
+
+
+def test_scale_255_is_a_zero_group_unlike_compressed_tensors():
+    rng = np.random.default_rng(2)
+    packed = rng.integers(0, 256, (4, 64), dtype=np.uint8)
+    scale = np.full((4, 4), 120, dtype=np.uint8)
+    scale[1, 2] = 255
+    scale[3, :] = 255
+    ours = decode_mxfp4(torch.from_numpy(packed), torch.from_numpy(scale)).numpy()
+    # intended difference: the whole group decodes to +0.0 (the C engine's rule) ...
+    assert np.array_equal(_bits(ours[1, 64:96]), np.zeros(32, np.uint32))
+    assert np.array_equal(_bits(ours[3]), np.zeros(128, np.uint32))
+    # ... while compressed-tensors gives +-inf (and NaN where the nibble is a zero)
+    ct = _ct_decompress(torch.from_numpy(packed), torch.from_numpy(scale)).float().numpy()
+    grp = ct[1, 64:96]
+    assert np.all(np.isinf(grp) | np.isnan(grp)) and np.isinf(grp).any()
+    # everything else agrees bit for bit
+    mask = np.ones_like(ours, dtype=bool)
+    mask[1, 64:96] = False
+    mask[3] = False
+    assert np.array_equal(_bits(ours)[mask], _bits(ct)[mask])
+
+
+def test_spec_frozen_real_vector():
+    packed = bytes.fromhex("AB 4C 18 65 2C 91 04 39 48 94 58 33 94 B5 5B 30")
+    bf16_bits = ("BCC0 BC80 BD00 3D00 8000 3C00 3D40 3D80 BD00 3C80 3C00 BC00 3D00 0000 BC00 3CC0 "
+                 "8000 3D00 3D00 BC00 8000 3D40 3CC0 3CC0 3D00 BC00 3D40 BCC0 BCC0 3D40 0000 3CC0").split()
+    p = np.frombuffer(packed, dtype=np.uint8).reshape(1, 16)
+    s = np.array([[0x79]], dtype=np.uint8)
+    w = decode_mxfp4(p, s)
+    want = np.array([int(b, 16) << 16 for b in bf16_bits], dtype=np.uint32)
+    assert np.array_equal(_bits(w)[0], want)
+    assert w[0, :5].tolist() == [-0.0234375, -0.015625, -0.03125, 0.03125, -0.0]
+    assert str(w[0, 4].item()) == "-0.0"
+
+
+@pytest.fixture(scope="module")
+def fixture_mxfp4():
+    if not FIXTURE.exists():
+        pytest.skip(f"fixture not found: {FIXTURE}")
+    return json.loads(FIXTURE.read_text())
+
+
+def _fixture_arrays(fx):
+    packed = np.array(fx["packed"]["data"], dtype=np.uint8).reshape(fx["packed"]["shape"])
+    scale = np.array(fx["scales"]["data"], dtype=np.uint8).reshape(fx["scales"]["shape"])
+    expected = np.array(fx["expected"]["data"], dtype=np.float32).reshape(fx["expected"]["shape"])
+    return packed, scale, expected
+
+
+def test_fixture_real_checkpoint_bytes(fixture_mxfp4):
+    fx = fixture_mxfp4
+    packed, scale, expected = _fixture_arrays(fx)
+    assert packed.shape == (fx["rows"], fx["packed_cols"]) and scale.shape == (fx["rows"], fx["scale_cols"])
+    assert list(fx["e2m1_lut"][:8]) == list(E2M1)
+    w = decode_mxfp4(torch.from_numpy(packed), torch.from_numpy(scale))
+    assert w.shape == (fx["rows"], fx["logical_width"])
+    assert np.array_equal(_bits(w), _bits(expected))          # signed zeros included
+
+    # The fixture can catch a nibble-swapped decoder: swapping the two nibbles of every
+    # byte reproduces the fixture's `expected_swapped_nibbles` and NOT `expected`.
+    swapped_packed = ((packed & 15) << 4) | (packed >> 4)
+    w_swapped = decode_mxfp4(swapped_packed.astype(np.uint8), scale).numpy()
+    first64_swapped = np.array(fx["expected_swapped_nibbles"]["first64"], dtype=np.float32)
+    assert np.array_equal(_bits(w_swapped.reshape(-1)[:64]), _bits(first64_swapped))
+    assert not np.array_equal(_bits(w_swapped), _bits(expected))
+    assert not np.array_equal(_bits(first64_swapped), _bits(expected.reshape(-1)[:64]))
+    # same multiset of values (statistics identical), different positions
+    assert np.array_equal(np.sort(w_swapped.reshape(-1)), np.sort(expected.reshape(-1)))
+
+
+def test_fixture_fused_linear(fixture_mxfp4):
+    packed, scale, expected = _fixture_arrays(fixture_mxfp4)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((5, packed.shape[1] * 2)).astype(np.float32))
+    y = mxfp4_linear(x, torch.from_numpy(packed), torch.from_numpy(scale))
+    ref = x.double() @ torch.from_numpy(expected).double().T
+    bound = x.double().abs() @ torch.from_numpy(expected).double().abs().T
+    assert torch.all((y.double() - ref).abs() <= 1e-5 * bound)
+
+
+# ---------------------------------------------------------------------------- fused linear
+def _random_weight(rng, R, C, lo=112, hi=123):
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    scale = rng.integers(lo, hi, (R, C // 32), dtype=np.uint8)
+    return packed, scale
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("R,C", [(3, 32), (37, 96), (130, 3584 + 32), (64, 3584)])
+def test_fused_linear_vs_float64(T, R, C):
+    rng = np.random.default_rng(T * 1000 + R)
+    packed, scale = _random_weight(rng, R, C)
+    x = torch.from_numpy(rng.standard_normal((T, C)).astype(np.float32))
+    y = mxfp4_linear(x, packed, scale)
+    assert y.dtype == torch.float32 and y.shape == (T, R)
+    W = torch.from_numpy(_ref_decode_np(packed, scale)).double()
+    ref = x.double() @ W.T
+    bound = x.double().abs() @ W.abs().T              # sum |x||w|: the scale of rounding
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= 1e-5 * bound), (err / bound).max().item()
+    assert (torch.linalg.norm(y.double() - ref) / torch.linalg.norm(ref)).item() < 1e-6
+
+
+def test_fused_decoder_equals_decode_bit_exact():
+    """x = identity rows: each output is one product fma(1, w, 0), so mxfp4_linear exposes
+    the decoder of both fused paths (T = 1 in registers, T > 1 via the row scratch)."""
+    rng = np.random.default_rng(4)
+    for C in (128, 160):                               # 160: a 16-byte tail after one 64-byte step
+        R = 24
+        packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+        scale = rng.integers(0, 254, (R, C // 32), dtype=np.uint8)   # 0..253: no overflow
+        scale[0, :] = 0
+        scale[2, 1] = 255
+        # fma(1, -0.0, +0.0) = +0.0: the sum cannot carry a weight's zero sign
+        W = decode_mxfp4(packed, scale).numpy() + np.float32(0.0)
+        eye = torch.eye(C, dtype=torch.float32)
+        y = mxfp4_linear(eye, packed, scale).numpy()  # [C, R] = W.T
+        assert np.array_equal(_bits(y), _bits(W.T))
+        for c in (0, 1, 63, 64, C - 1):                # T = 1 path
+            y1 = mxfp4_linear(eye[c:c + 1], packed, scale).numpy()[0]
+            assert np.array_equal(_bits(y1), _bits(W[:, c]))
+
+
+def test_batch_invariance_and_thread_count_independence():
+    rng = np.random.default_rng(5)
+    R, C, T = 200, 3584, 9
+    packed, scale = _random_weight(rng, R, C)
+    x = torch.from_numpy(rng.standard_normal((T, C)).astype(np.float32))
+    before = get_num_threads()
+    try:
+        set_num_threads(1)
+        y1 = mxfp4_linear(x, packed, scale)
+        single = torch.stack([mxfp4_linear(x[t:t + 1], packed, scale)[0] for t in range(T)])
+        set_num_threads(2)
+        y2 = mxfp4_linear(x, packed, scale)
+        y2b = mxfp4_linear(x[:1], packed, scale)
+    finally:
+        set_num_threads(before)
+    assert torch.equal(y1.view(torch.int32), single.view(torch.int32))   # decode == prefill
+    assert torch.equal(y1[:1].view(torch.int32), y2b.view(torch.int32))
+    if max_threads() < 2:
+        pytest.skip("only one numba thread available here")
+    assert torch.equal(y1.view(torch.int32), y2.view(torch.int32))
+
+
+def test_inputs_torch_numpy_and_edge_shapes():
+    rng = np.random.default_rng(6)
+    packed, scale = _random_weight(rng, 10, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    a = mxfp4_linear(torch.from_numpy(x), torch.from_numpy(packed), torch.from_numpy(scale))
+    b = mxfp4_linear(x, packed, scale)
+    assert torch.equal(a, b)
+    v = mxfp4_linear(torch.from_numpy(x[0]), packed, scale)          # 1-D x -> 1-D y
+    assert v.shape == (10,) and torch.equal(v, a[0])
+    assert mxfp4_linear(torch.zeros(0, 64), packed, scale).shape == (0, 10)
+    xt = torch.from_numpy(np.ascontiguousarray(x.T)).T               # non-contiguous x: copied
+    assert torch.equal(mxfp4_linear(xt, packed, scale), a)
+
+
+def test_validation_errors():
+    p = np.zeros((4, 16), np.uint8)
+    s = np.zeros((4, 1), np.uint8)
+    x = torch.zeros(1, 32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode_mxfp4(np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8))
+    with pytest.raises(ValueError, match="scale shape"):
+        decode_mxfp4(p, np.zeros((4, 2), np.uint8))
+    with pytest.raises(ValueError, match="scale shape"):
+        mxfp4_linear(x, p, np.zeros((3, 1), np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        decode_mxfp4(p.astype(np.int8), s)
+    with pytest.raises(ValueError, match="uint8"):
+        mxfp4_linear(x, torch.zeros(4, 16, dtype=torch.int32), s)
+    with pytest.raises(ValueError, match="float32"):
+        mxfp4_linear(x.double(), p, s)
+    with pytest.raises(ValueError, match="in-features"):
+        mxfp4_linear(torch.zeros(1, 64), p, s)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_mxfp4(np.zeros((16, 4), np.uint8).T, s)
+    with pytest.raises(ValueError, match="2-D"):
+        decode_mxfp4(np.zeros(16, np.uint8), s)
