@@ -49,7 +49,13 @@ class CheckpointLayout:
     def full(self, rel: str) -> str:
         if rel == "lm_head.weight":
             return self.head
-        return self.prefix + rel
+        name = self.prefix + rel
+        if ".mlp." in rel and name not in self.index:
+            # transformers' save_pretrained writes the dense layer as block_sparse_moe.*
+            alias = name.replace(".mlp.", ".block_sparse_moe.")
+            if alias in self.index:
+                return alias
+        return name
 
     def info(self, rel: str):
         return self.index.get(self.full(rel))
