@@ -77,6 +77,7 @@ __all__ = [
     "build_config",
     "make_plan",
     "synthesize",
+    "tensor_value",
     "encode_mxfp4",
     "train_bpe",
     "special_tokens",

@@ -474,8 +474,10 @@ def test_option_validation(tmp_path):
     assert (d / "notes.txt").read_text() == "mine"
     # regenerating with fewer shards leaves no stale shard behind
     synth.synthesize(d, preset="tiny", force=True, layers=3)
-    n = len(json.loads((d / INDEX_NAME).read_text())["weight_map"]) and len(list(d.glob("model-*.safetensors")))
-    assert all(p.name.endswith(f"-of-{n:06d}.safetensors") for p in d.glob("model-*.safetensors"))
+    shards = list(d.glob("model-*.safetensors"))
+    assert len(shards) == 5  # 3 layers + globals + vision
+    assert all(p.name.endswith("-of-000005.safetensors") for p in shards)
+    assert set(json.loads((d / INDEX_NAME).read_text())["weight_map"].values()) == {p.name for p in shards}
 
 
 def test_cli_hooks(tmp_path, capsys):
