@@ -262,10 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(r)
     r.set_defaults(fn=cmd_run)
     s = sub.add_parser("synth", help="write a synthetic checkpoint in the exact release format")
-    try:
-        add_synth_args(s)
-    except ImportError:  # TEMP
-        pass
+    add_synth_args(s)
     s.set_defaults(fn=cmd_synth)
     d = sub.add_parser("demo", help="generate a small synthetic checkpoint once and run on it")
     d.add_argument("--preset", default="small", help="synthetic preset (default small)")
