@@ -148,7 +148,10 @@ def cmd_run(args) -> int:
     err(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'TOK/S':>8}")
     err("-" * 33)
     steps = []
-    stream = StreamDecoder(tok) if tok is not None and not args.json else None
+    # Text streams to stdout as it is produced; when stdout and stderr are the same
+    # terminal it would interleave with the step table, so it is printed as a block.
+    block_text = tok is not None and not args.json and sys.stdout.isatty() and sys.stderr.isatty()
+    stream = StreamDecoder(tok) if tok is not None and not args.json and not block_text else None
     for s in generate(model, ids, args.gen, incremental=args.incremental):
         steps.append(s)
         if s.step == 0 and args.dump_logits:
@@ -160,6 +163,10 @@ def cmd_run(args) -> int:
     if stream is not None:
         sys.stdout.write(stream.flush() + "\n")
     gen_ids = [s.token for s in steps]
+    if tok is not None and block_text:
+        err("--- generated text ---")
+        print(tok.decode(gen_ids), flush=True)
+        err("----------------------")
     total = sum(s.seconds for s in steps)
     spt = total / len(steps) if steps else 0.0
     err("")
@@ -189,7 +196,7 @@ def cmd_run(args) -> int:
         err(f"wrote {args.out}")
     if args.json:
         print(json.dumps(result))
-    elif stream is None:
+    elif tok is None:
         print(" ".join(map(str, gen_ids)))
     return EXIT_OK
 
