@@ -52,9 +52,9 @@ LANES = 64
 
 # Blocking (performance only; none of these changes a single output bit).
 _RB1 = 32    # rows per prange iteration, T = 1
-_RB = 8      # weight rows per block (one prange iteration), T > 1; must be even
+_RB = 8      # weight rows per block (one prange iteration), T > 1
 _TB = 64     # tokens per block (bounds the accumulator scratch)
-_KC = 512    # K-chunk (elements, multiple of LANES) widened per step, T > 1
+_KC = 1024   # K-chunk (elements, multiple of LANES) widened per step, T > 1
 
 
 # =========================================================================== SIMD blocks
@@ -116,24 +116,26 @@ def _row_ptr(context, builder, aryty, val, idx, off):
 
 
 def make_vdot(nt, nr, streams, wkind):
-    """Build a numba intrinsic doing step 1 of the canonical order for a register tile
+    """Build a numba intrinsic doing step 1 of the canonical order for register tiles
     of ``nt`` tokens x ``nr`` weight rows::
 
-        vdot(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj)
+        vdot(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj, reps, step)
 
     * acc: float32 C array [*, >= 64]; ai: UniTuple of nt*nr row indices (tile (t, r) at
-      position t*nr + r); each acc row is loaded once, updated in registers, stored back;
+      position t*nr + r); each acc row is loaded once per tile, updated in registers,
+      stored back;
     * x0, x1: float32 C arrays [*, *] for stream 0 / 1 (x1 ignored when streams == 1);
       xi: UniTuple of nt row indices; xoff: element offset inside those rows;
     * w0, w1: C arrays [*, *] of float32 (``wkind='f32'``) or bf16 bits int16/uint16
       (``wkind='bf16'``); wi: UniTuple of nr row indices; woff: element offset;
-    * for j in 0..nj-1, for s < streams, every tile (t, r), lane l < 64:
+    * for p in 0..reps-1 (tile p uses x rows xi[t] + p*step and acc rows ai[k] + p*step,
+      the same weight rows), for j in 0..nj-1, for s < streams, every (t, r), lane l < 64:
       acc[t, r][l] = fma(x_s[xi[t], xoff + 64j + l], w_s[wi[r], woff + 64j + l], acc[t, r][l]).
 
     Index-based (no array views are built per call). No bounds checks: the callers
     guarantee the extents."""
 
-    def typer(typingctx, acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj):
+    def typer(typingctx, acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj, reps, step):
         def arr2(t, dts):
             return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
 
@@ -144,66 +146,73 @@ def make_vdot(nt, nr, streams, wkind):
         for tup, n in ((ai, nt * nr), (xi, nt), (wi, nr)):
             if not (isinstance(tup, types.UniTuple) and tup.count == n and isinstance(tup.dtype, types.Integer)):
                 return None
-        if not all(isinstance(v, types.Integer) for v in (xoff, woff, nj)):
+        if not all(isinstance(v, types.Integer) for v in (xoff, woff, nj, reps, step)):
             return None
-        sig = types.void(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj)
+        sig = types.void(acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj, reps, step)
 
         def codegen(context, builder, sig, args):
-            acc_t, ai_t, x0_t, x1_t, xi_t, xoff_t, w0_t, w1_t, wi_t, woff_t, nj_t = sig.args
-            acc_v, ai_v, x0_v, x1_v, xi_v, xoff_v, w0_v, w1_v, wi_v, woff_v, nj_v = args
+            (acc_t, ai_t, x0_t, x1_t, xi_t, xoff_t, w0_t, w1_t, wi_t, woff_t, nj_t,
+             reps_t, step_t) = sig.args
+            (acc_v, ai_v, x0_v, x1_v, xi_v, xoff_v, w0_v, w1_v, wi_v, woff_v, nj_v,
+             reps_v, step_v) = args
 
             def i64(v, t):
                 return context.cast(builder, v, t, types.int64)
 
             zero = _I64(0)
-            ai = [i64(v, ai_t.dtype) for v in cgutils.unpack_tuple(builder, ai_v, ai_t.count)]
-            xi = [i64(v, xi_t.dtype) for v in cgutils.unpack_tuple(builder, xi_v, xi_t.count)]
+            ai0 = [i64(v, ai_t.dtype) for v in cgutils.unpack_tuple(builder, ai_v, ai_t.count)]
+            xi0 = [i64(v, xi_t.dtype) for v in cgutils.unpack_tuple(builder, xi_v, xi_t.count)]
             wi = [i64(v, wi_t.dtype) for v in cgutils.unpack_tuple(builder, wi_v, wi_t.count)]
             xoff, woff, n = i64(xoff_v, xoff_t), i64(woff_v, woff_t), i64(nj_v, nj_t)
-            accp = [_row_ptr(context, builder, acc_t, acc_v, a, zero) for a in ai]
-            xarr = [(x0_t, x0_v), (x1_t, x1_v)][:streams]
+            reps, step = i64(reps_v, reps_t), i64(step_v, step_t)
             warr = [(w0_t, w0_v), (w1_t, w1_v)][:streams]
-            # pointer lists indexed [t * streams + s] and [r * streams + s]
-            xp = [_row_ptr(context, builder, ty, v, t, xoff) for t in xi for (ty, v) in xarr]
+            xarr = [(x0_t, x0_v), (x1_t, x1_v)][:streams]
+            # weight pointers, indexed [r * streams + s] (fixed over the tiles)
             wp = [_row_ptr(context, builder, ty, v, r, woff) for r in wi for (ty, v) in warr]
-            a0 = [_vload(builder, p, zero, _F32, LANES) for p in accp]
-            pre = builder.block
-            loop = builder.append_basic_block("vdot.loop")
-            done = builder.append_basic_block("vdot.done")
-            builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
-            builder.position_at_end(loop)
-            j = builder.phi(_I64)
-            acc = [builder.phi(_VF) for _ in a0]
-            j.add_incoming(zero, pre)
-            for a, v in zip(acc, a0):
-                a.add_incoming(v, pre)
-            off = builder.mul(j, _I64(LANES))
-            xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
-            if wkind == "f32":
-                wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
-            else:
-                wv = [widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)) for p in wp]
-            new = list(acc)
-            for s in range(streams):
-                for t in range(nt):
-                    for r in range(nr):
-                        k = t * nr + r
-                        new[k] = _vfma(builder, xv[t * streams + s], wv[r * streams + s], new[k])
-            jn = builder.add(j, _I64(1))
-            tail = builder.block
-            j.add_incoming(jn, tail)
-            for a, v in zip(acc, new):
-                a.add_incoming(v, tail)
-            builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
-            builder.position_at_end(done)
-            fins = []
-            for v0, v1 in zip(a0, new):       # all phis first, then the stores
-                fin = builder.phi(_VF)
-                fin.add_incoming(v0, pre)
-                fin.add_incoming(v1, tail)
-                fins.append(fin)
-            for p, fin in zip(accp, fins):
-                _vstore(builder, fin, p, zero)
+            with cgutils.for_range(builder, reps) as tile:
+                shift = builder.mul(tile.index, step)
+                ai = [builder.add(a, shift) for a in ai0]
+                xi = [builder.add(t, shift) for t in xi0]
+                accp = [_row_ptr(context, builder, acc_t, acc_v, a, zero) for a in ai]
+                xp = [_row_ptr(context, builder, ty, v, t, xoff) for t in xi for (ty, v) in xarr]
+                a0 = [_vload(builder, p, zero, _F32, LANES) for p in accp]
+                pre = builder.block
+                loop = builder.append_basic_block("vdot.loop")
+                done = builder.append_basic_block("vdot.done")
+                builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
+                builder.position_at_end(loop)
+                j = builder.phi(_I64)
+                acc = [builder.phi(_VF) for _ in a0]
+                j.add_incoming(zero, pre)
+                for a, v in zip(acc, a0):
+                    a.add_incoming(v, pre)
+                off = builder.mul(j, _I64(LANES))
+                xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
+                if wkind == "f32":
+                    wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
+                else:
+                    wv = [widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)) for p in wp]
+                new = list(acc)
+                for s in range(streams):
+                    for t in range(nt):
+                        for r in range(nr):
+                            k = t * nr + r
+                            new[k] = _vfma(builder, xv[t * streams + s], wv[r * streams + s], new[k])
+                jn = builder.add(j, _I64(1))
+                tail = builder.block
+                j.add_incoming(jn, tail)
+                for a, v in zip(acc, new):
+                    a.add_incoming(v, tail)
+                builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
+                builder.position_at_end(done)
+                fins = []
+                for v0, v1 in zip(a0, new):       # all phis first, then the stores
+                    fin = builder.phi(_VF)
+                    fin.add_incoming(v0, pre)
+                    fin.add_incoming(v1, tail)
+                    fins.append(fin)
+                for p, fin in zip(accp, fins):
+                    _vstore(builder, fin, p, zero)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -297,7 +306,7 @@ def _bf16_gemv(x, w, out, rb):
         a = acc[0]
         for n in range(b * rb, min(N, (b + 1) * rb)):
             _zero(a)
-            _vdot_bf16(acc, (0,), x, x, (0,), 0, w, w, (n,), 0, nj)
+            _vdot_bf16(acc, (0,), x, x, (0,), 0, w, w, (n,), 0, nj, 1, 0)
             for i in range(K - km):
                 a[i] = _fma(x[0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
             out[n] = _tree_sum(a)
@@ -329,23 +338,19 @@ def _bf16_gemm(x, w, out, rb, tb, kc):
                 njc = (c1 - c0) // LANES
                 for r in range(nrb):                      # widen the block's chunk once
                     _widen_row(wf[r], w[r0 + r, c0:c1], njc)
-                t = 0
-                while t < ntb:
-                    ta = t0 + t
-                    if t + 1 < ntb:
-                        r = 0
-                        while r + 1 < nrb:
-                            _vdot_f32_2x2(acc, (r * tb + t, (r + 1) * tb + t, r * tb + t + 1, (r + 1) * tb + t + 1),
-                                          x, x, (ta, ta + 1), c0, wf, wf, (r, r + 1), 0, njc)
-                            r += 2
-                        if r < nrb:
-                            _vdot_f32(acc, (r * tb + t,), x, x, (ta,), c0, wf, wf, (r,), 0, njc)
-                            _vdot_f32(acc, (r * tb + t + 1,), x, x, (ta + 1,), c0, wf, wf, (r,), 0, njc)
-                        t += 2
-                    else:
-                        for r in range(nrb):
-                            _vdot_f32(acc, (r * tb + t,), x, x, (ta,), c0, wf, wf, (r,), 0, njc)
-                        t += 1
+                npair = ntb // 2
+                r = 0
+                while r + 1 < nrb:                        # 2x2 tiles over all token pairs
+                    if npair > 0:
+                        _vdot_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
+                                      x, x, (t0, t0 + 1), c0, wf, wf, (r, r + 1), 0, njc, npair, 2)
+                    if ntb % 2:                           # last token, 1x1 per row
+                        t = ntb - 1
+                        _vdot_f32(acc, (r * tb + t,), x, x, (t0 + t,), c0, wf, wf, (r,), 0, njc, 1, 0)
+                        _vdot_f32(acc, ((r + 1) * tb + t,), x, x, (t0 + t,), c0, wf, wf, (r + 1,), 0, njc, 1, 0)
+                    r += 2
+                if r < nrb:                               # odd last row: 1x1 over all tokens
+                    _vdot_f32(acc, (r * tb,), x, x, (t0,), c0, wf, wf, (r,), 0, njc, ntb, 1)
             for t in range(ntb):
                 ta = t0 + t
                 for r in range(nrb):

@@ -53,9 +53,9 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude table; bit 3 of the
 GROUP = 32  # elements per scale byte
 
 _RB1 = 16    # rows per prange iteration (decode, and T = 1)
-_RB = 8      # rows decoded together and reused across tokens when T > 1 (even)
+_RB = 8      # rows decoded together and reused across tokens when T > 1
 _TB = 64     # tokens per block (bounds the accumulator scratch)
-_JC = 4      # 64-byte steps per chunk (keeps a chunk of rb rows + 2 tokens in L1)
+_JC = 8      # 64-byte steps per chunk (a chunk of the rb decoded rows stays in L1)
 
 
 # --------------------------------------------------------------------------- intrinsics
@@ -311,23 +311,19 @@ def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc):
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 e0 = c0 * LANES
-                t = 0
-                while t < ntb:
-                    ta = t0 + t
-                    if t + 1 < ntb:
-                        r = 0
-                        while r + 1 < nrb:
-                            _vdot2_f32_2x2(acc, (r * tb + t, (r + 1) * tb + t, r * tb + t + 1, (r + 1) * tb + t + 1),
-                                           xe, xo, (ta, ta + 1), e0, we, wo, (r, r + 1), e0, n)
-                            r += 2
-                        if r < nrb:
-                            _vdot2_f32(acc, (r * tb + t,), xe, xo, (ta,), e0, we, wo, (r,), e0, n)
-                            _vdot2_f32(acc, (r * tb + t + 1,), xe, xo, (ta + 1,), e0, we, wo, (r,), e0, n)
-                        t += 2
-                    else:
-                        for r in range(nrb):
-                            _vdot2_f32(acc, (r * tb + t,), xe, xo, (ta,), e0, we, wo, (r,), e0, n)
-                        t += 1
+                npair = ntb // 2
+                r = 0
+                while r + 1 < nrb:                        # 2x2 tiles over all token pairs
+                    if npair > 0:
+                        _vdot2_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
+                                       xe, xo, (t0, t0 + 1), e0, we, wo, (r, r + 1), e0, n, npair, 2)
+                    if ntb % 2:                           # last token, 1x1 per row
+                        t = ntb - 1
+                        _vdot2_f32(acc, (r * tb + t,), xe, xo, (t0 + t,), e0, we, wo, (r,), e0, n, 1, 0)
+                        _vdot2_f32(acc, ((r + 1) * tb + t,), xe, xo, (t0 + t,), e0, we, wo, (r + 1,), e0, n, 1, 0)
+                    r += 2
+                if r < nrb:                               # odd last row: 1x1 over all tokens
+                    _vdot2_f32(acc, (r * tb,), xe, xo, (t0,), e0, we, wo, (r,), e0, n, ntb, 1)
             for t in range(ntb):
                 ta = t0 + t
                 for r in range(nrb):

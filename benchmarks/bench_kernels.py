@@ -1,0 +1,216 @@
+"""Throughput of the quantisation/matmul kernels (k3.quant) beside unfused baselines.
+
+Arms, for every shape and token count T:
+  MXFP4 experts (w1/w3 [3072, 3584], w2 [3584, 3072]):
+    mxfp4_linear           fused decode + matmul (the kernel)
+    decode+torch           decode_mxfp4 to an fp32 matrix, then torch x @ W.T (unfused)
+  BF16 trunk ([12288, 7168], [7168, 12288]):
+    bf16_linear            fused widen + matmul (the kernel)
+    upcast+torch           x @ w.float().T (upcast the whole matrix, then torch sgemm)
+    torch-bf16             torch.nn.functional.linear(x.bfloat16(), w) (torch's own bf16
+                           matmul; rounds x to bf16, so different numbers: reference only)
+
+GB/s = weight bytes / seconds (MXFP4: packed + scale bytes; BF16: 2 bytes/element), the
+same definition for every arm. GFMA/s = T * rows * cols / seconds.
+MXFP4 arms cycle through 8 distinct random experts (46 MB > the 32 MB L3), so each call
+reads weights that are not cache-hot, as in real decode; the BF16 matrices (176 MB) are
+never cache-resident anyway. Weights are random (MXFP4 scale bytes 112..122 as in K3).
+
+Method: threads pinned (numba and torch) to --threads (default 2); every arm is warmed
+up first (numba compile / cache load excluded from timings and reported separately);
+reps run round-robin over the arms of a case so a disturbance spreads over all arms;
+time.perf_counter per call. Every rep goes to benchmarks/results/kernels.tsv (appended,
+with a run id). The machine's other core may be busy (other people's jobs): the load
+average is recorded before and after; re-run when it is high.
+
+    python benchmarks/bench_kernels.py [--quick] [--reps 5] [--threads 2] [--tsv PATH]
+"""
+
+from __future__ import annotations
+
+import os
+
+# Sleeping (not spinning) OpenMP workers; must precede `import torch` (see k3/quant/__init__.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numba  # noqa: E402
+
+from k3.quant import bf16_linear, decode_mxfp4, mxfp4_linear, set_num_threads  # noqa: E402
+
+MX_SHAPES = [("w1/w3", 3072, 3584), ("w2", 3584, 3072)]
+BF_SHAPES = [("q/kv-like", 12288, 7168), ("o/down-like", 7168, 12288)]
+N_EXPERTS = 8
+BARS = {"mxfp4_linear": 1.5, "bf16_linear": 8.0}   # GB/s at T = 1 (brief's bars)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def loadavg() -> str:
+    try:
+        return "%.2f" % os.getloadavg()[0]
+    except OSError:
+        return "?"
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_case(kernel, shape_name, R, C, T, arms, wbytes, reps, rows, tsv, run_id):
+    """arms: list of (name, fn(i)) where i is the call counter (to cycle weights)."""
+    calls = {name: 0 for name, _ in arms}
+
+    def call(name, fn):
+        i = calls[name]
+        calls[name] += 1
+        return timed(lambda: fn(i))
+
+    for name, fn in arms:                       # warm-up (compile / first touch)
+        call(name, fn)
+    times = {name: [] for name, _ in arms}
+    la0 = loadavg()
+    for rep in range(reps):
+        for name, fn in arms:
+            s = call(name, fn)
+            times[name].append(s)
+            tsv.write("\t".join(map(str, [run_id, kernel, name, shape_name, f"{R}x{C}", T, rep,
+                                          "%.6f" % s, wbytes, "%.3f" % (wbytes / s / 1e9),
+                                          numba.get_num_threads(), loadavg()])) + "\n")
+    tsv.flush()
+    la1 = loadavg()
+    for name, _ in arms:
+        ts = times[name]
+        mean = statistics.fmean(ts)
+        sd = statistics.stdev(ts) if len(ts) > 1 else 0.0
+        mn = min(ts)
+        rows.append(dict(kernel=kernel, arm=name, shape=f"{shape_name} [{R}, {C}]", T=T,
+                         mean_ms=mean * 1e3, sd_ms=sd * 1e3, min_ms=mn * 1e3,
+                         gbs_mean=wbytes / mean / 1e9, gbs_best=wbytes / mn / 1e9,
+                         gfma=T * R * C / mean / 1e9, reps=len(ts), load=f"{la0}->{la1}"))
+
+
+def fmt_table(rows) -> str:
+    hdr = ("| kernel | arm | shape | T | reps | mean ms | sd ms | min ms | GB/s (mean) | GB/s (best) "
+           "| GFMA/s | load |")
+    sep = "|" + "---|" * 12
+    out = [hdr, sep]
+    for r in rows:
+        out.append("| {kernel} | {arm} | {shape} | {T} | {reps} | {mean_ms:.2f} | {sd_ms:.2f} | {min_ms:.2f} "
+                   "| {gbs_mean:.2f} | {gbs_best:.2f} | {gfma:.1f} | {load} |".format(**r))
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T in {1, 16}, 3 reps, one shape per kernel")
+    ap.add_argument("--reps", type=int, default=None, help="reps per arm (default 5; 3 with --quick)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=str, default=None, help="comma list of T (default 1,4,16,64)")
+    ap.add_argument("--only", choices=["mxfp4", "bf16"], default=None)
+    ap.add_argument("--tsv", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.tsv")
+    args = ap.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 5)
+    if reps < 3:
+        ap.error("--reps must be >= 3")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 16] if args.quick else [1, 4, 16, 64])
+    mx_shapes = MX_SHAPES[:1] if args.quick else MX_SHAPES
+    bf_shapes = BF_SHAPES[:1] if args.quick else BF_SHAPES
+
+    set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    print(f"# run {run_id}: {cpu_name()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
+          f"threads={numba.get_num_threads()}, torch {torch.__version__} threads={torch.get_num_threads()}, "
+          f"load {loadavg()}", flush=True)
+
+    # first calls (compile or on-disk cache load), measured once per kernel specialisation
+    x1 = torch.randn(1, 64)
+    x2 = torch.randn(2, 64)
+    p = np.zeros((4, 32), np.uint8)
+    s = np.full((4, 2), 120, np.uint8)
+    wb = torch.zeros(4, 64, dtype=torch.bfloat16)
+    first = {
+        "mxfp4_linear T=1": timed(lambda: mxfp4_linear(x1, p, s)),
+        "mxfp4_linear T>1": timed(lambda: mxfp4_linear(x2, p, s)),
+        "decode_mxfp4": timed(lambda: decode_mxfp4(p, s)),
+        "bf16_linear T=1": timed(lambda: bf16_linear(x1, wb)),
+        "bf16_linear T>1": timed(lambda: bf16_linear(x2, wb)),
+    }
+    print("# first call (numba compile, or load from the on-disk cache): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in first.items()), flush=True)
+    print(f"# numba threading layer: {numba.threading_layer()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+          flush=True)
+
+    args.tsv.parent.mkdir(parents=True, exist_ok=True)
+    new = not args.tsv.exists()
+    rows = []
+    rng = np.random.default_rng(0)
+    with open(args.tsv, "a") as tsv:
+        if new:
+            tsv.write("run\tkernel\tarm\tshape\tRxC\tT\trep\tseconds\tweight_bytes\tGBps\tthreads\tload1\n")
+        if args.only in (None, "mxfp4"):
+            for name, R, C in mx_shapes:
+                experts = [(torch.from_numpy(rng.integers(0, 256, (R, C // 2), dtype=np.uint8)),
+                            torch.from_numpy(rng.integers(112, 123, (R, C // 32), dtype=np.uint8)))
+                           for _ in range(N_EXPERTS)]
+                wbytes = experts[0][0].numel() + experts[0][1].numel()
+                for T in tokens:
+                    x = torch.randn(T, C)
+                    arms = [
+                        ("mxfp4_linear", lambda i: mxfp4_linear(x, *experts[i % N_EXPERTS])),
+                        ("decode+torch", lambda i: x @ decode_mxfp4(*experts[i % N_EXPERTS]).T),
+                    ]
+                    run_case("mxfp4", name, R, C, T, arms, wbytes, reps, rows, tsv, run_id)
+                    print(fmt_table(rows[-len(arms):]).split("\n", 2)[2], flush=True)
+                del experts
+        if args.only in (None, "bf16"):
+            for name, N, K in bf_shapes:
+                w = (torch.randn(N, K) * 0.02).to(torch.bfloat16)
+                wbytes = w.numel() * 2
+                for T in tokens:
+                    x = torch.randn(T, K)
+                    arms = [
+                        ("bf16_linear", lambda i: bf16_linear(x, w)),
+                        ("upcast+torch", lambda i: x @ w.float().T),
+                        ("torch-bf16", lambda i: torch.nn.functional.linear(x.to(torch.bfloat16), w)),
+                    ]
+                    run_case("bf16", name, N, K, T, arms, wbytes, reps, rows, tsv, run_id)
+                    print(fmt_table(rows[-len(arms):]).split("\n", 2)[2], flush=True)
+                del w
+
+    print()
+    print(fmt_table(rows))
+    print()
+    for r in rows:
+        if r["T"] == 1 and r["arm"] in BARS:
+            bar = BARS[r["arm"]]
+            print(f"# bar {r['arm']} {r['shape']} T=1: mean {r['gbs_mean']:.2f} GB/s, best {r['gbs_best']:.2f} "
+                  f"(bar {bar} GB/s: {'PASS' if r['gbs_mean'] >= bar else 'below (re-run if load was high)'})")
+    print(f"# every rep: {args.tsv} (run {run_id})")
+
+
+if __name__ == "__main__":
+    main()
