@@ -18,7 +18,8 @@ never cache-resident anyway. Weights are random (MXFP4 scale bytes 112..122 as i
 
 Method: threads pinned (numba and torch) to --threads (default 2); every arm is warmed
 up first (numba compile / cache load excluded from timings and reported separately);
-reps run round-robin over the arms of a case so a disturbance spreads over all arms;
+each arm's reps run back to back after its own warm-up call (so no arm is timed right
+after another arm's memory traffic, e.g. the 44 MB fp32 matrix of decode+torch);
 time.perf_counter per call. Every rep goes to benchmarks/results/kernels.tsv (appended,
 with a run id). The machine's other core may be busy (other people's jobs): the load
 average is recorded before and after; re-run when it is high.
@@ -88,13 +89,12 @@ def run_case(kernel, shape_name, R, C, T, arms, wbytes, reps, rows, tsv, run_id)
         calls[name] += 1
         return timed(lambda: fn(i))
 
-    for name, fn in arms:                       # warm-up (compile / first touch)
-        call(name, fn)
     times = {name: [] for name, _ in arms}
     la0 = loadavg()
-    for rep in range(reps):
-        for name, fn in arms:
-            s = call(name, fn)
+    for name, fn in arms:
+        call(name, fn)                          # warm-up (compile / first touch), not timed
+        for rep in range(reps):                 # reps back to back, so no arm runs right
+            s = call(name, fn)                  # after another arm's cache / memory traffic
             times[name].append(s)
             tsv.write("\t".join(map(str, [run_id, kernel, name, shape_name, f"{R}x{C}", T, rep,
                                           "%.6f" % s, wbytes, "%.3f" % (wbytes / s / 1e9),

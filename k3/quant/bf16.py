@@ -40,7 +40,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+import numba
+from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -295,14 +296,17 @@ def _tree_sum(a):
 
 # =========================================================================== kernels
 @njit(parallel=True, cache=True, nogil=True)
-def _bf16_gemv(x, w, out, rb):
+def _bf16_gemv(x, w, out, rb, nth):
     """out[n] = x[0] . fp32(w[n]) for x float32 [1, K], w bf16 bits [N, K], out float32 [N]."""
     N, K = w.shape
     nj = K // LANES
     km = nj * LANES
     nblk = (N + rb - 1) // rb
+    # per-thread scratch, allocated once per call (nth = numba threads of the caller;
+    # numba.get_num_threads() inside a cached function would defeat the cache)
+    scratch = np.empty((nth, 1, LANES), np.float32)
     for b in prange(nblk):
-        acc = np.empty((1, LANES), np.float32)
+        acc = scratch[get_thread_id()]
         a = acc[0]
         for n in range(b * rb, min(N, (b + 1) * rb)):
             _zero(a)
@@ -313,7 +317,7 @@ def _bf16_gemv(x, w, out, rb):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _bf16_gemm(x, w, out, rb, tb, kc):
+def _bf16_gemm(x, w, out, rb, tb, kc, nth):
     """out[t, n] = x[t] . fp32(w[n]) for x float32 [T, K], w bf16 bits [N, K], out [T, N].
 
     Same canonical order as ``_bf16_gemv``: lane accumulators persist across K-chunks;
@@ -323,11 +327,14 @@ def _bf16_gemm(x, w, out, rb, tb, kc):
     nj = K // LANES
     km = nj * LANES
     nblk = (N + rb - 1) // rb
+    wf_all = np.empty((nth, rb, kc), np.float32)          # per-thread scratch, allocated once
+    acc_all = np.empty((nth, rb * tb, LANES), np.float32)
     for b in prange(nblk):
         r0 = b * rb
         nrb = min(N, r0 + rb) - r0
-        wf = np.empty((rb, kc), np.float32)
-        acc = np.empty((rb * tb, LANES), np.float32)     # row r, token t at r * tb + t
+        tid = get_thread_id()
+        wf = wf_all[tid]
+        acc = acc_all[tid]                                # row r, token t at r * tb + t
         for t0 in range(0, T, tb):
             ntb = min(T, t0 + tb) - t0
             for r in range(nrb):
@@ -427,8 +434,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if K == 0:
             out[:] = 0.0
         elif T == 1:
-            _bf16_gemv(xn, wb, out[0], _RB1)
+            _bf16_gemv(xn, wb, out[0], _RB1, numba.get_num_threads())
         else:
-            _bf16_gemm(xn, wb, out, _RB, min(T, _TB), _KC)
+            _bf16_gemm(xn, wb, out, _RB, min(T, _TB), _KC, numba.get_num_threads())
     res = torch.from_numpy(out)
     return res[0] if was_1d else res

@@ -40,7 +40,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+import numba
+from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -258,7 +259,7 @@ def _decode_kernel(packed, scale, out, rb):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_gemv(xe, xo, packed, scale, out, rb):
+def _mxfp4_gemv(xe, xo, packed, scale, out, rb, nth):
     """T = 1: out[r] = x . W[r], decode fused in registers. xe/xo float32 [P]."""
     R, P = packed.shape
     nj = P // LANES
@@ -266,10 +267,12 @@ def _mxfp4_gemv(xe, xo, packed, scale, out, rb):
     nblk = (R + rb - 1) // rb
     xet = xe[pm:]
     xot = xo[pm:]
+    scratch = np.empty((nth, 3, LANES), np.float32)   # per thread (see _bf16_gemv)
     for b in prange(nblk):
-        acc = np.empty(LANES, np.float32)
-        te = np.empty(LANES, np.float32)
-        to = np.empty(LANES, np.float32)
+        sc3 = scratch[get_thread_id()]
+        acc = sc3[0]
+        te = sc3[1]
+        to = sc3[2]
         for r in range(b * rb, min(R, (b + 1) * rb)):
             _zero(acc)
             pk = packed[r]
@@ -283,7 +286,7 @@ def _mxfp4_gemv(xe, xo, packed, scale, out, rb):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc):
+def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc, nth):
     """T > 1: decode a block of rb rows once into an exact fp32 scratch, then sweep it in
     chunks of jc 64-byte steps with 2x2 (token, row) register tiles; accumulator lanes
     persist across chunks, so the order is the canonical one of ``_mxfp4_gemv``.
@@ -293,12 +296,16 @@ def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc):
     nj = P // LANES
     pm = nj * LANES
     nblk = (R + rb - 1) // rb
+    we_all = np.empty((nth, rb, P), np.float32)          # per-thread scratch, allocated once
+    wo_all = np.empty((nth, rb, P), np.float32)
+    acc_all = np.empty((nth, rb * tb, LANES), np.float32)
     for b in prange(nblk):
         r0 = b * rb
         nrb = min(R, r0 + rb) - r0
-        we = np.empty((rb, P), np.float32)
-        wo = np.empty((rb, P), np.float32)
-        acc = np.empty((rb * tb, LANES), np.float32)     # row r, token t at r * tb + t
+        tid = get_thread_id()
+        we = we_all[tid]
+        wo = wo_all[tid]
+        acc = acc_all[tid]                                # row r, token t at r * tb + t
         for r in range(nrb):
             _vdecode_split(we[r], wo[r], packed[r0 + r], scale[r0 + r], nj)
             if pm < P:
@@ -402,8 +409,8 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
             if T == 1:
-                _mxfp4_gemv(xe[0], xo[0], p, s, out[0], _RB1)
+                _mxfp4_gemv(xe[0], xo[0], p, s, out[0], _RB1, numba.get_num_threads())
             else:
-                _mxfp4_gemm(xe, xo, p, s, out, _RB, min(T, _TB), _JC)
+                _mxfp4_gemm(xe, xo, p, s, out, _RB, min(T, _TB), _JC, numba.get_num_threads())
     res = torch.from_numpy(out)
     return res[0] if was_1d else res
