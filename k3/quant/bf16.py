@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from llvmlite import ir
 import numba
+from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -60,7 +60,6 @@ _KC = 1024   # K-chunk (elements, multiple of LANES) widened per step, T > 1
 
 # =========================================================================== SIMD blocks
 _F32 = ir.FloatType()
-_I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -102,10 +101,6 @@ def widen_bf16_vec(builder, v16):
     v = builder.zext(v16, _VI32)
     v = builder.shl(v, _splat_i32(16))
     return builder.bitcast(v, _VF)
-
-
-def _arr_elem_ir(context, aryty):
-    return context.get_data_type(aryty.dtype)
 
 
 def _row_ptr(context, builder, aryty, val, idx, off):
@@ -368,6 +363,24 @@ def _bf16_gemm(x, w, out, rb, tb, kc, nth):
 
 
 # =========================================================================== wrappers
+#: below this many multiply-adds one thread beats waking the pool (~55 us per parallel
+#: region on the 2-vCPU box with OMP_WAIT_POLICY=PASSIVE); results do not depend on it
+_SERIAL_WORK = 1 << 18
+
+
+def _launch(kernel, work, *args):
+    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work."""
+    nth = numba.get_num_threads()
+    if nth > 1 and work < _SERIAL_WORK:
+        numba.set_num_threads(1)
+        try:
+            kernel(*args, 1)
+        finally:
+            numba.set_num_threads(nth)
+    else:
+        kernel(*args, nth)
+
+
 def _as_f32_activations(x, name="x"):
     """x (torch or numpy, float32, 1-D or 2-D) -> (C-contiguous float32 numpy [T, K], was_1d)."""
     if isinstance(x, torch.Tensor):
@@ -434,8 +447,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if K == 0:
             out[:] = 0.0
         elif T == 1:
-            _bf16_gemv(xn, wb, out[0], _RB1, numba.get_num_threads())
+            _launch(_bf16_gemv, N * K, xn, wb, out[0], _RB1)
         else:
-            _bf16_gemm(xn, wb, out, _RB, min(T, _TB), _KC, numba.get_num_threads())
+            _launch(_bf16_gemm, T * N * K, xn, wb, out, _RB, min(T, _TB), _KC)
     res = torch.from_numpy(out)
     return res[0] if was_1d else res

@@ -40,13 +40,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-import numba
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _tree_sum, _vfma, _vload,
-                   _vstore, _zero, make_vdot)
+from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum, _vfma,
+                   _vload, _vstore, _zero, make_vdot)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "GROUP"]
 
@@ -238,8 +237,8 @@ def _decode_tail(pk, sc, we, wo, p0, P):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _decode_kernel(packed, scale, out, rb):
-    """out float32 [R, G, 32] <- packed uint8 [R, G, 16], scale uint8 [R, G]."""
+def _decode_kernel(packed, scale, out, rb, nth):
+    """out float32 [R, G, 32] <- packed uint8 [R, G, 16], scale uint8 [R, G] (nth unused)."""
     R, G = scale.shape
     nblk = (R + rb - 1) // rb
     for b in prange(nblk):
@@ -385,7 +384,7 @@ def decode_mxfp4(packed, scale) -> torch.Tensor:
     G = s.shape[1]
     out = np.empty((R, 2 * P), dtype=np.float32)
     if R and P:
-        _decode_kernel(p.reshape(R, G, 16), s, out.reshape(R, G, 32), _RB1)
+        _launch(_decode_kernel, R * P * 2, p.reshape(R, G, 16), s, out.reshape(R, G, 32), _RB1)
     return torch.from_numpy(out)
 
 
@@ -409,8 +408,8 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
             if T == 1:
-                _mxfp4_gemv(xe[0], xo[0], p, s, out[0], _RB1, numba.get_num_threads())
+                _launch(_mxfp4_gemv, R * C, xe[0], xo[0], p, s, out[0], _RB1)
             else:
-                _mxfp4_gemm(xe, xo, p, s, out, _RB, min(T, _TB), _JC, numba.get_num_threads())
+                _launch(_mxfp4_gemm, T * R * C, xe, xo, p, s, out, _RB, min(T, _TB), _JC)
     res = torch.from_numpy(out)
     return res[0] if was_1d else res
