@@ -139,7 +139,7 @@ class ResidentWeights:
     def _load(self, rel: str, kind: str) -> torch.Tensor:
         ti = self.layout.info(rel)
         t0 = time.perf_counter()
-        t = load_tensor(ti, self.reader)
+        t = load_tensor(ti, self.reader, direct=True)
         self.read_seconds += time.perf_counter() - t0
         self.bytes_read += ti.nbytes
         if kind in ("vector", "alog"):
