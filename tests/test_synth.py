@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from k3 import synth
+from k3.quant.mxfp4 import encode_mxfp4
 from k3.checkpoint.safetensors import INDEX_NAME, CheckpointIndex, read_shard_header
 from k3.config import load_config
 from k3.errors import UsageError
@@ -374,7 +375,7 @@ def test_encoder_nearest_and_minimal_scale():
         w[0, :32] = torch.linspace(-6, 6, 32) * 2.0 ** -5  # on-grid and tie values
         w[1, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * mag
         w[2, :32] = 0.0
-        packed, scale = synth.encode_mxfp4(w)
+        packed, scale = encode_mxfp4(w)
         assert packed.dtype == torch.uint8 and packed.shape == (32, 128) and scale.shape == (32, 8)
         d = ref_decode(packed, scale)
         assert _nearest_ok(w, packed, scale, d)
@@ -385,7 +386,7 @@ def test_encoder_nearest_and_minimal_scale():
         assert bool((amax[nz] > 3 * f[nz]).all())  # the smallest scale that fits
     # ties go to the even code (round half to even)
     t = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4])
-    d = ref_decode(*synth.encode_mxfp4(t))
+    d = ref_decode(*encode_mxfp4(t))
     assert d[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
 
 
@@ -400,7 +401,7 @@ def test_encoder_reproduces_frozen_real_vector():
     d = ref_decode(packed, scale)
     got = d.to(torch.bfloat16).view(torch.int16).reshape(-1).tolist()
     assert [f"{b & 0xFFFF:04X}" for b in got] == bits
-    p2, s2 = synth.encode_mxfp4(d)
+    p2, s2 = encode_mxfp4(d)
     assert torch.equal(p2, packed) and torch.equal(s2, scale)
 
 
@@ -410,7 +411,7 @@ def test_encoder_against_project_decoder():
         pytest.skip("k3.quant.mxfp4.decode_mxfp4 not written yet")
     torch.manual_seed(1)
     w = torch.randn(64, 128) * 0.02
-    packed, scale = synth.encode_mxfp4(w)
+    packed, scale = encode_mxfp4(w)
     d = mx.decode_mxfp4(packed, scale).float()
     assert torch.equal(d, ref_decode(packed, scale))
     assert _nearest_ok(w, packed, scale, d)

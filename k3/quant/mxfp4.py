@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum, _vfma,
                    _vload, _vstore, _zero, make_vdot)
 
-__all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "GROUP"]
+__all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "encode_mxfp4", "GROUP"]
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude table; bit 3 of the nibble = sign
 GROUP = 32  # elements per scale byte
@@ -413,3 +413,44 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
                 _launch(_mxfp4_gemm, T * R * C, xe, xo, p, s, out, _RB, min(T, _TB), _JC)
     res = torch.from_numpy(out)
     return res[0] if was_1d else res
+
+
+# ---------------------------------------------------------------- encoder (for writers, not the hot path)
+def _e2m1_codes(x) -> np.ndarray:
+    """Nearest E2M1 code (0..15 uint8, sign in bit 3) of values already divided by their
+    group scale; |x| > 6 saturates to 6. Ties go to the even code (round half to even
+    of the mantissa): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+    Works on the three binades of E2M1 with np.round (half to even): steps of 0.5 below
+    2, of 1 in [2, 4), of 2 in [4, 6]. (numpy, single-threaded: torch's threaded unary
+    ops stall on a busy 2-core machine.)"""
+    x = np.asarray(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
+    a = np.minimum(np.abs(x), np.float32(6.0))
+    v2 = np.where(a < 2, np.round(a * 2),  # twice the rounded magnitude, 0..12
+                  np.where(a < 4, np.round(a) * 2, np.round(a * 0.5) * 4))
+    code = np.where(v2 <= 4, v2, np.where(v2 <= 8, v2 * 0.5 + 2, 7)).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 3)
+
+
+def encode_mxfp4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ("mxfp4-pack-quantized") encoding of a [rows, cols] float matrix.
+
+    Per group of 32 columns the E8M0 scale byte s is the smallest with
+    max|w| <= 6 * 2^(s - 127) (an all-zero group gets 127; s is clamped to 0..254);
+    each element is rounded to the nearest E2M1 value {0, .5, 1, 1.5, 2, 3, 4, 6} x
+    2^(s - 127) (ties to even), sign in bit 3 (so -0.0 and tiny negatives give code 8).
+    Returns (packed uint8 [rows, cols/2] with element 2j in the low nibble of byte j,
+    scale uint8 [rows, cols/32])."""
+    if w.dim() != 2 or w.shape[1] % group_size or w.shape[1] % 2:
+        raise ValueError(f"encode_mxfp4 needs [rows, cols] with cols a multiple of {group_size}, got {tuple(w.shape)}")
+    r, c = w.shape
+    g = w.detach().to(torch.float32).numpy().reshape(r, c // group_size, group_size)
+    amax = np.abs(g).max(-1)
+    nz = amax > 0
+    with np.errstate(divide="ignore", over="ignore"):
+        e = np.where(nz, np.ceil(np.log2(np.where(nz, amax, 1.0) / 6.0)), 0.0)
+        e = np.where(nz & (amax > 6.0 * np.exp2(e)), e + 1, e)  # fix log2 rounding (exact compares)
+        e = np.where(nz & (amax <= 3.0 * np.exp2(e)), e - 1, e)
+    e = np.clip(e, -127, 127)
+    codes = _e2m1_codes(g / np.exp2(e)[..., None].astype(np.float32)).reshape(r, c)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy((e + 127).astype(np.uint8))
