@@ -92,6 +92,10 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
     V = torch.stack(sources, 0)  # [S, T, d]
     normed = rms_norm(V, None, eps)
-    s = normed @ w  # [S, T]
-    a = torch.softmax(s, dim=0)
-    return (a.unsqueeze(-1) * V).sum(0)
+    # softmax over sources taken along a contiguous last dim (one row per token): torch's
+    # softmax over a leading dim gave 1-ulp differences between thread counts
+    a = torch.softmax((normed @ w).T.contiguous(), dim=-1)  # [T, S]
+    out = sources[0] * a[:, :1]
+    for j in range(1, len(sources)):  # fixed summation order
+        out = out + sources[j] * a[:, j:j + 1]
+    return out
