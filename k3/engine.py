@@ -59,9 +59,11 @@ def greedy(logits: torch.Tensor) -> int:
 
 def generate(model: Model, prompt_ids, n_gen: int, incremental: bool = False,
              state: InferenceState | None = None, keep_logits: bool = False,
-             stop_ids=()) -> Iterator[StepResult]:
-    """Greedy generation. Step 0 includes the prefill. With `incremental`, `state`
-    (if given) is extended in place, so a caller can keep it for the next turn."""
+             stop_ids=(), sampler=None) -> Iterator[StepResult]:
+    """Generate up to n_gen tokens (greedy unless `sampler`, a callable logits[vocab] ->
+    token id, is given). Step 0 includes the prefill. With `incremental`, `state` (if
+    given) is extended in place, so a caller can keep it for the next turn; the last
+    sampled token is then not yet in the state (it is fed at the next call)."""
     ids = list(prompt_ids)
     if incremental and state is None:
         state = model.new_state()
@@ -72,7 +74,7 @@ def generate(model: Model, prompt_ids, n_gen: int, incremental: bool = False,
             logits = model.forward(pending, state)
         else:
             logits = model.forward(ids, None)
-        tok = greedy(logits)
+        tok = greedy(logits) if sampler is None else int(sampler(logits.reshape(-1)))
         dt = time.perf_counter() - t0
         ids.append(tok)
         pending = [tok]
