@@ -36,17 +36,21 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, stats=None) -> torc
     latent = cfg.latent_size is not None
     z = linear(x, w[p + "routed_expert_down_proj.weight"]) if latent else x
     uniq = sorted(set(ids.flatten().tolist()))
-    experts = provider.experts(layer, uniq)
     if stats is not None:
         stats.note_experts(layer, ids)
     # Each expert runs once over the tokens that chose it; contributions are then summed
-    # per token in top-k order.
+    # per token in top-k order. A provider with a bounded cache says how many experts
+    # it can hand out at once (`max_experts_per_call`); they are fetched in groups.
+    group = getattr(provider, "max_experts_per_call", None) or len(uniq)
     contrib = z.new_zeros(T, cfg.num_experts_per_token, z.shape[1])
-    for e in uniq:
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        ew = experts[e]
-        y = linear(glu_act(cfg, linear(z[tok], ew.w1), linear(z[tok], ew.w3)), ew.w2)
-        contrib[tok, slot] = y
+    for g0 in range(0, len(uniq), group):
+        batch = uniq[g0:g0 + group]
+        experts = provider.experts(layer, batch)
+        for e in batch:
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            ew = experts[e]
+            y = linear(glu_act(cfg, linear(z[tok], ew.w1), linear(z[tok], ew.w3)), ew.w2)
+            contrib[tok, slot] = y
     r = contrib[:, 0] * wts[:, :1]
     for j in range(1, cfg.num_experts_per_token):
         r = r + contrib[:, j] * wts[:, j:j + 1]
