@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 from . import __version__
+from .memory.planner import human, peak_rss_bytes
 from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error, UsageError
 
 EXIT_CODES_HELP = f"""exit codes:
@@ -26,18 +26,6 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_READ}  a weight read failed during the run: the output is invalid
   130 interrupted (Ctrl-C)
 """
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.2f} {unit}"
-        n /= 1000.0
-    return f"{n:.2f} TB"
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def err(msg: str = "") -> None:
