@@ -19,6 +19,8 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, Mxfp4Weight):
         from ..quant import mxfp4_linear
         return mxfp4_linear(x.contiguous(), w.packed, w.scale)
+    if not isinstance(w, torch.Tensor):  # RowChunks: a matrix streamed in row blocks
+        return torch.cat([linear(x, c) for c in w.chunks()], dim=1)
     if w.dtype == torch.bfloat16:
         from ..quant import bf16_linear
         return bf16_linear(x.contiguous(), w)

@@ -35,7 +35,18 @@ class Mxfp4Weight:
         return self.packed.numel() + self.scale.numel()
 
 
-Weight = "torch.Tensor | Mxfp4Weight"
+class RowChunks(Protocol):
+    """A matrix [rows, cols] handed over in row chunks (e.g. lm_head streamed from disk
+    in ultra-low-memory mode). `chunks()` yields tensors as stored, top to bottom; the
+    math multiplies each and concatenates, which gives the same numbers as the whole
+    matrix because every output row is computed on its own."""
+
+    shape: tuple[int, int]
+
+    def chunks(self): ...
+
+
+Weight = "torch.Tensor | Mxfp4Weight | RowChunks"
 
 
 @dataclass(frozen=True)
