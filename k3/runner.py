@@ -1,0 +1,220 @@
+"""From budgets to a running model: resolve presets and budget flags (later flags win),
+build and check the memory plan before anything large is allocated, open the
+budgeted provider, and collect per-step statistics for the report.
+
+Front ends (k3 run, chat) call `open_session` and then drive k3.engine.generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+
+from .errors import K3Error, UsageError
+from .memory import planner
+from .memory.planner import GB, PRESETS, human
+from .model.schema import layer_specs
+from .model.stack import Model
+
+BASELINE_MARGIN = 300 * 1000 * 1000  # numba code, thread stacks, allocator slack above the measured RSS
+
+
+class BudgetEvent(argparse.Action):
+    """--preset / --trunk-gb / --cache-gb are applied in command-line order."""
+
+    def __call__(self, parser, ns, value, option_string=None):
+        ev = list(getattr(ns, "budget_events", None) or [])
+        ev.append((self.dest, value))
+        ns.budget_events = ev
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory (later flags override earlier ones)")
+    g.add_argument("--preset", dest="preset", action=BudgetEvent, metavar="NAME",
+                   help="laptop | desktop | workstation | server | max | ultra | auto (default auto)")
+    g.add_argument("--trunk-gb", dest="trunk_gb", action=BudgetEvent, metavar="X|auto",
+                   help="budget for pinned trunk layers + the ring (with --trunk)")
+    g.add_argument("--cache-gb", dest="cache_gb", action=BudgetEvent, metavar="X",
+                   help="routed-expert cache arena")
+    g.add_argument("--trunk", metavar="DIR", help="packed trunk (k3 pack-trunk): stream the trunk within --trunk-gb")
+    g.add_argument("--trunk-ring", type=int, default=2, metavar="N", help="ring slots for streamed layers (default 2)")
+    g.add_argument("--ultra-low-memory", action="store_true",
+                   help="stream the embedding and lm_head too (bit-identical, slower)")
+    g.add_argument("--io-threads", type=int, default=4, metavar="N", help="parallel reads (default 4)")
+    g.add_argument("--dump-cache-trace", metavar="DIR", help="write expert_trace.bin + expert_hist.json here")
+    p.set_defaults(budget_events=[])
+
+
+@dataclass
+class Budgets:
+    trunk: int | None
+    cache: int
+    preset: str
+    ultra: bool
+    notes: list = field(default_factory=list)
+
+
+def _gb(value: str, flag: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise UsageError(f"{flag} takes a number of GB (or auto), got {value!r}.") from None
+    if not x > 0:
+        raise UsageError(f"{flag} must be > 0, got {value}.")
+    return x
+
+
+def layer_run_bytes(layout, i) -> int:
+    return sum(layout.info(f"layers.{i}.{rel}").nbytes for rel in layer_specs(layout.cfg, i))
+
+
+def resolve_budgets(args, cfg, layout, slot_bytes: int, mem=None) -> Budgets:
+    events = list(args.budget_events or [])
+    if not events:
+        events = [("preset", "auto")]
+    trunk = cache = None
+    preset = "custom"
+    ultra = bool(args.ultra_low_memory)
+    notes = []
+    layer_bytes = [layer_run_bytes(layout, i) for i in range(layout.n_layers)]
+    trunk_total = sum(layer_bytes)
+    topk = cfg.num_experts_per_token
+    cache_floor = max((topk + 1) * slot_bytes, min(int(0.5 * GB), cfg.num_experts * slot_bytes))
+
+    def auto():
+        m = mem or planner.meminfo()
+        return planner.auto_budget(m["MemAvailable"], m["MemTotal"], trunk_total,
+                                   planner.embed_head_bytes(cfg) if not ultra else 0,
+                                   max(layer_bytes), cache_floor)
+
+    for kind, value in events:
+        if kind == "preset":
+            if value not in planner.PRESET_NAMES:
+                raise UsageError(f"unknown --preset {value!r}; choose one of {', '.join(planner.PRESET_NAMES)} "
+                                 "(k3 presets lists them).")
+            preset = value
+            if value == "auto":
+                trunk, cache, msg = auto()
+                notes.append(msg)
+            else:
+                p = PRESETS[value]
+                trunk, cache = int(p.trunk_gb * GB), int(p.cache_gb * GB)
+                if value == "ultra":
+                    ultra = True
+        elif kind == "trunk_gb":
+            if value == "auto":
+                trunk, _, msg = auto()
+                notes.append(msg)
+            else:
+                trunk = int(_gb(value, "--trunk-gb") * GB)
+            preset = "custom" if preset != "custom" else preset
+        elif kind == "cache_gb":
+            cache = int(_gb(value, "--cache-gb") * GB)
+            preset = "custom"
+    if cache is None:
+        _, cache, msg = auto()
+        notes.append(msg)
+    if ultra and not args.trunk:
+        raise UsageError("--ultra-low-memory (and --preset ultra) stream the trunk too, so they need --trunk DIR "
+                         "(a packed trunk: k3 pack-trunk MODEL OUT).")
+    if args.trunk and trunk is None:
+        trunk, _, msg = auto()
+        notes.append(msg)
+    return Budgets(trunk if args.trunk else None, cache, preset, ultra, notes)
+
+
+@dataclass
+class Session:
+    cfg: object
+    model: Model
+    provider: object
+    plan: planner.MemoryPlan
+    budgets: Budgets
+    trunk_plan: object = None
+    load_seconds: float = 0.0
+
+
+def build_plan(cfg, layout, budgets: Budgets, args, tokens: int, slot_bytes: int, n_slots: int):
+    plan = planner.MemoryPlan(available=planner.meminfo()["MemAvailable"])
+    layer_bytes = [layer_run_bytes(layout, i) for i in range(layout.n_layers)]
+    trunk_plan = None
+    if budgets.trunk is not None:
+        from .memory.trunk import plan_trunk
+        order = "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
+        trunk_plan = plan_trunk(layer_bytes, budgets.trunk, ring=args.trunk_ring, order=order)
+        plan.add("trunk (STREAMED)", trunk_plan.pinned_bytes + trunk_plan.ring_slots * trunk_plan.slot_bytes,
+                 f"{len(trunk_plan.pinned)}/{len(layer_bytes)} layers pinned + {trunk_plan.ring_slots} ring slot(s) "
+                 f"of {human(trunk_plan.slot_bytes)}")
+    else:
+        plan.add("trunk (resident)", sum(layer_bytes), "every layer held in RAM, as stored")
+    if budgets.ultra:
+        from .memory.tables import CHUNK_BYTES
+        plan.add("embed + lm_head", CHUNK_BYTES + 64 * 1024 * 1024, "streamed: one chunk buffer + small tables")
+    else:
+        plan.add("embed + lm_head", planner.embed_head_bytes(cfg), "resident, as stored")
+    plan.add("expert cache", n_slots * slot_bytes, f"{n_slots} slots x {human(slot_bytes)}")
+    plan.add("recurrent state", planner.recurrent_state_bytes(cfg, layout.n_layers),
+             "KDA conv + recurrent state, fp32")
+    if args.incremental:
+        plan.add("KV cache", tokens * planner.kv_bytes_per_position(cfg, layout.n_layers),
+                 f"{tokens} positions x {human(planner.kv_bytes_per_position(cfg, layout.n_layers))}")
+    plan.add("buffers", planner.activation_bytes(cfg, tokens), "activations, scratch, logits")
+    plan.add("interpreter + libs", planner.rss_bytes() + BASELINE_MARGIN, "measured RSS now + margin")
+    return plan, trunk_plan
+
+
+def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
+    """Index, plan, check, then allocate: the order matters (refuse before allocating)."""
+    from .checkpoint.io import ShardFiles
+    from .checkpoint.safetensors import CheckpointIndex
+    from .memory.expert_cache import expert_slot_bytes
+    from .memory.resident import CheckpointLayout
+    from .memory.streaming import StreamingWeights
+
+    t0 = time.perf_counter()
+    index = CheckpointIndex.open(model_dir)
+    log(f"indexed {len(index)} tensors from {len(index.shards())} shards in {time.perf_counter() - t0:.2f} s")
+    layout = CheckpointLayout(cfg, index, args.layers)
+    layout.validate()
+    slot = expert_slot_bytes(layout)
+    budgets = resolve_budgets(args, cfg, layout, slot)
+    for n in budgets.notes:
+        log(n)
+    n_slots = budgets.cache // slot
+    if budgets.preset != "custom":
+        log(f"  preset   : {budgets.preset} (trunk {budgets.trunk / GB if budgets.trunk else 0:.2f} GB / "
+            f"expert cache {budgets.cache / GB:.2f} GB)")
+    plan, trunk_plan = build_plan(cfg, layout, budgets, args, tokens, slot, n_slots)
+    log(plan.render())
+    plan.check()
+    if trunk_plan is not None and trunk_plan.message:
+        log(trunk_plan.message)
+    t0 = time.perf_counter()
+    order = "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
+    prov = StreamingWeights(cfg, model_dir, cache_budget=budgets.cache, trunk_dir=args.trunk,
+                            trunk_budget=budgets.trunk, ring=args.trunk_ring, pin_order=order,
+                            ultra=budgets.ultra, n_layers=args.layers, io_threads=args.io_threads,
+                            trace=bool(args.dump_cache_trace), index=index, reader=ShardFiles())
+    load = time.perf_counter() - t0
+    model = Model(prov, n_layers=args.layers)
+    return Session(cfg, model, prov, plan, budgets, trunk_plan, load)
+
+
+class StepStats:
+    """Per-step and whole-run I/O accounting from the provider's counters."""
+
+    def __init__(self, prov):
+        self.prov = prov
+        self.rows = []
+
+    def step(self, s) -> dict:
+        cs = self.prov.cache.step_stats()
+        self.prov.cache.end_step()
+        row = {"step": s.step, "token": s.token, "seconds": s.seconds,
+               "expert_requests": cs.get("requests", 0), "expert_hits": cs.get("hits", 0),
+               "expert_hit_pct": 100.0 * cs.get("hits", 0) / cs["requests"] if cs.get("requests") else 0.0,
+               "expert_bytes_read": cs.get("bytes_read", 0), "expert_read_seconds": cs.get("read_seconds", 0.0)}
+        self.rows.append(row)
+        return row
