@@ -67,7 +67,55 @@ def meminfo() -> dict:
     if "MemAvailable" not in out or "MemTotal" not in out:
         raise UsageError("/proc/meminfo is not readable here, so `auto` cannot size the budgets; "
                          "give --trunk-gb and --cache-gb (or a named --preset) instead.")
-    return {"MemTotal": out["MemTotal"], "MemAvailable": out["MemAvailable"]}
+    res = {"MemTotal": out["MemTotal"], "MemAvailable": out["MemAvailable"]}
+    lim = cgroup_limit()
+    if lim is not None:  # a container or a benchmark's memory ceiling: the real budget
+        limit, usage = lim
+        res["CgroupLimit"] = limit
+        res["MemTotal"] = min(res["MemTotal"], limit)
+        res["MemAvailable"] = max(0, min(res["MemAvailable"], limit - usage))
+    return res
+
+
+def cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup (v2 memory.max or v1
+    memory.limit_in_bytes), or None when unlimited / not visible. v1 usage counts
+    page cache, which is reclaimable, so only the anonymous part (rss) is used."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrl, path = parts
+        try:
+            if ctrl == "" and os.path.exists("/sys/fs/cgroup/unified" + path + "/memory.max"):
+                base = "/sys/fs/cgroup/unified" + path
+            elif ctrl == "" and os.path.exists("/sys/fs/cgroup" + path + "/memory.max"):
+                base = "/sys/fs/cgroup" + path
+            else:
+                base = None
+            if base is not None:
+                raw = open(base + "/memory.max").read().strip()
+                if raw != "max":
+                    usage = int(open(base + "/memory.current").read())
+                    return int(raw), usage
+            if "memory" in ctrl.split(","):
+                base = "/sys/fs/cgroup/memory" + path
+                limit = int(open(base + "/memory.limit_in_bytes").read())
+                if limit < (1 << 60):
+                    usage = 0
+                    for ln in open(base + "/memory.stat"):
+                        k, v = ln.split()
+                        if k == "rss":
+                            usage = int(v)
+                    return limit, usage
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def rss_bytes() -> int:
