@@ -65,6 +65,14 @@ class CheckpointLayout:
         p = self.full(f"layers.{layer}.block_sparse_moe.experts.{e}.")
         return {w: p + w + ".weight_packed" in self.index for w in ("w1", "w2", "w3")}
 
+    def expert_tensors(self, layer: int, e: int) -> dict:
+        """The routed expert's TensorInfos by relative name (`w1.weight_packed`,
+        `w1.weight_scale`, ... or `w1.weight` for an unpacked matrix), in release order.
+        A missing tensor is a CheckpointError. (The seam k3.memory.expert_cache uses.)"""
+        p = f"layers.{layer}.block_sparse_moe.experts.{e}."
+        return {rel: self.index.get(self.full(p + rel))
+                for rel in expert_specs(self.cfg, self.expert_quantized(layer, e))}
+
     def validate(self) -> None:
         cfg, problems, missing_layers = self.cfg, [], set()
 

@@ -1,0 +1,611 @@
+"""The routed-expert cache: a fixed arena of expert slots filled by O_DIRECT reads, LRU.
+
+INVARIANTS (read these before using the returned tensors)
+
+* Experts returned by one :meth:`ExpertCache.experts` call are torch VIEWS into the
+  arena. They stay valid until the NEXT ``experts()`` call, which may evict them and
+  overwrite their bytes. The MoE math (k3.model.moe) uses a call's experts only inside
+  that call's group, and asks for at most :attr:`ExpertCache.max_experts_per_call`
+  (= n_slots - 1) experts at once.
+* Within one call, an expert of the call is never chosen as the victim for another
+  expert of the same call, and a slot being read (in flight) is never a victim.
+* A slot is published (findable) only after its read succeeded; a failed read puts the
+  slot back to EMPTY, so partial bytes are never served.
+* Only one ``experts()`` call at a time (a second concurrent call raises
+  RuntimeError). The reads inside one call run in parallel on ``io_threads`` threads
+  (``pread`` releases the GIL).
+
+Layout (the C engine's k3_cache.c, reference-engine.md 4.4): one preallocated arena of
+``n_slots`` fixed slots; a slot holds the largest expert's six tensors (three for an
+unpacked BF16 expert) as the ONE contiguous run they form in the shard, widened outward
+to 4096-byte boundaries so the run is one O_DIRECT read, rounded up to 4096 bytes.
+An expert whose tensors are not one gap-free run in one file (not the release layout)
+is read tensor by tensor into its slot instead: slower, still exact.
+
+The seam: the cache needs an object (``layout``) with ``cfg`` (``num_experts``,
+``num_experts_per_token``, ``is_moe(i)``), ``n_layers`` and
+``expert_tensors(layer, e) -> {relative name: TensorInfo}`` (relative names
+``w1.weight_packed`` / ``w1.weight_scale`` or ``w1.weight``, same for w2, w3).
+:class:`~k3.memory.resident.CheckpointLayout` is one.
+
+Statistics (whole run, and per step until :meth:`ExpertCache.end_step`): requests,
+hits, misses, evictions, reads / failed_reads / scattered_reads (experts read, reads
+that failed, experts read tensor by tensor because they are not one run), bytes_read
+(expert payload bytes), io_bytes (bytes transferred, including the O_DIRECT widening),
+read_seconds (wall time of the parallel read phase) and retention = requests - evictions (the C engine's "true retention": every request
+that did not push an expert out).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import threading
+import time
+import weakref
+from array import array
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..checkpoint.io import ALIGN, TORCH_DTYPES, ShardFiles, aligned_empty, direct_span
+from ..checkpoint.safetensors import TensorInfo
+from ..errors import CheckpointError, K3Error, ReadError, UsageError
+from ..model.weights import ExpertWeights, Mxfp4Weight
+
+__all__ = [
+    "ExpertCache",
+    "ExpertLocation",
+    "ExpertSource",
+    "expert_cache_min_bytes",
+    "expert_cache_slots",
+    "expert_slot_bytes",
+    "locate_expert",
+]
+
+GB = 1e9
+MB = 1e6
+#: placement of tensors inside a slot when an expert is read tensor by tensor
+PART_ALIGN = 64
+_HUGE = 2 << 20
+_WEIGHTS = ("w1", "w2", "w3")
+
+
+class ExpertSource(Protocol):
+    """What the cache needs from the checkpoint (CheckpointLayout satisfies it)."""
+
+    cfg: object  # .num_experts, .num_experts_per_token, .is_moe(i)
+    n_layers: int
+
+    def expert_tensors(self, layer: int, e: int) -> dict[str, TensorInfo]:
+        ...
+
+
+# --------------------------------------------------------------------- locations
+class _Part(NamedTuple):
+    rel: str  # `w1.weight_packed`, ...
+    file: str
+    file_offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple
+    slot_offset: int  # where the tensor's bytes sit in the slot
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLocation:
+    """Where one expert's bytes are and where they land in a slot.
+
+    ``contiguous``: the tensors form one gap-free run ``[offset, offset+nbytes)`` of
+    ``file``, read with one O_DIRECT read of the widened span (``span`` bytes at the
+    start of the slot). Otherwise each part is read on its own (``span`` = the bytes
+    of the slot used)."""
+
+    layer: int
+    expert: int
+    file: str
+    offset: int
+    nbytes: int
+    contiguous: bool
+    span: int
+    parts: tuple
+
+
+def _span_of(tensors: dict) -> int:
+    """Slot bytes an expert needs (same result as locate_expert(...).span, faster)."""
+    infos = sorted(tensors.values(), key=lambda ti: (ti.file, ti.offset))
+    first = infos[0]
+    pos = first.offset
+    for ti in infos:
+        if ti.file != first.file or ti.offset != pos or ti.offset % ti.itemsize:
+            break
+        pos = ti.end
+    else:
+        return direct_span(first.offset, pos - first.offset)[1]
+    pos = 0
+    for ti in infos:
+        pos += ti.nbytes
+        pos += (-pos) % PART_ALIGN
+    return pos
+
+
+def locate_expert(layout: ExpertSource, layer: int, e: int) -> ExpertLocation:
+    """Find expert ``e`` of ``layer`` and plan its slot placement (reads nothing)."""
+    tensors = layout.expert_tensors(layer, e)
+    _check_complete(tensors, layer, e)
+    return _locate(tensors, layer, e)
+
+
+def _check_complete(tensors: dict, layer: int, e: int) -> None:
+    for w in _WEIGHTS:
+        if not ((f"{w}.weight_packed" in tensors and f"{w}.weight_scale" in tensors)
+                or f"{w}.weight" in tensors):
+            raise CheckpointError(
+                f"Routed expert {e} of layer {layer} has no complete `{w}` matrix (neither "
+                f"weight_packed + weight_scale nor weight); found {sorted(tensors)}. The "
+                f"checkpoint is incomplete or not a K3/Kimi-Linear release; re-download it.")
+
+
+def _locate(tensors: dict, layer: int, e: int) -> ExpertLocation:
+    infos = sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].offset))
+    first = infos[0][1]
+    total = sum(ti.nbytes for _, ti in infos)
+    contiguous = all(ti.file == first.file for _, ti in infos)
+    if contiguous:
+        pos = first.offset
+        for _, ti in infos:
+            # gap-free, and every tensor naturally aligned (torch views need it)
+            if ti.offset != pos or ti.offset % ti.itemsize:
+                contiguous = False
+                break
+            pos = ti.end
+    if contiguous:
+        start, length, _lead = direct_span(first.offset, total)
+        parts = tuple(_Part(rel, ti.file, ti.offset, ti.nbytes, ti.dtype, tuple(ti.shape), ti.offset - start)
+                      for rel, ti in infos)
+        return ExpertLocation(layer, e, first.file, first.offset, total, True, length, parts)
+    parts, pos = [], 0
+    for rel, ti in infos:
+        parts.append(_Part(rel, ti.file, ti.offset, ti.nbytes, ti.dtype, tuple(ti.shape), pos))
+        pos += ti.nbytes
+        pos += (-pos) % PART_ALIGN
+    return ExpertLocation(layer, e, first.file, first.offset, total, False, pos, tuple(parts))
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return n + (-n) % a
+
+
+_SLOT_MEMO: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+def expert_slot_bytes(layout: ExpertSource) -> int:
+    """Bytes of one cache slot: the largest expert's slot span, rounded up to 4096.
+
+    Scans every routed expert of every MoE layer once (header data only; about 10 us an
+    expert, ~1 s for K3's 82,432); the result is remembered per layout object."""
+    try:
+        return _SLOT_MEMO[layout]
+    except (KeyError, TypeError):
+        pass
+    cfg = layout.cfg
+    best = 0
+    for i in range(layout.n_layers):
+        if not cfg.is_moe(i):
+            continue
+        for e in range(cfg.num_experts):
+            tensors = layout.expert_tensors(i, e)
+            _check_complete(tensors, i, e)
+            span = _span_of(tensors)
+            if span > best:
+                best = span
+    if best == 0:
+        raise K3Error("this model has no routed experts (no MoE layer in the layers run), so "
+                      "there is nothing for an expert cache to hold.")
+    slot = _round_up(best)
+    try:
+        _SLOT_MEMO[layout] = slot
+    except TypeError:
+        pass
+    return slot
+
+
+def expert_cache_min_bytes(layout: ExpertSource) -> int:
+    """The smallest budget :class:`ExpertCache` accepts: top-k + 1 slots."""
+    return (layout.cfg.num_experts_per_token + 1) * expert_slot_bytes(layout)
+
+
+def expert_cache_slots(layout: ExpertSource, budget_bytes: int) -> int:
+    """Slots an ExpertCache of ``budget_bytes`` has: ``budget // expert_slot_bytes``,
+    capped at the model's number of routed experts (more could never be used). A budget
+    below top-k + 1 slots is refused (K3Error, exit code 1) with the minimum to use.
+    The arena is exactly ``slots * expert_slot_bytes(layout)`` bytes."""
+    slot = expert_slot_bytes(layout)
+    cfg = layout.cfg
+    need = int(cfg.num_experts_per_token) + 1
+    fit = int(budget_bytes) // slot
+    if fit < need:
+        raise K3Error(
+            f"expert cache budget {_gb(budget_bytes)} GB holds {fit} slots of "
+            f"{_mb(slot)} MB; one token needs top-k + 1 = {need} slots (a cache "
+            f"smaller than one token's working set would evict an expert that is still being "
+            f"multiplied). Raise --cache-gb to at least {_gb_up(need * slot)} GB.")
+    total = sum(1 for i in range(layout.n_layers) if cfg.is_moe(i)) * int(cfg.num_experts)
+    return int(min(fit, max(total, need)))
+
+
+def _gb_up(n: int) -> str:
+    """``n`` bytes in GB, rounded UP at a precision of ~1% (never below 2 decimals)."""
+    d = max(2, 9 - math.floor(math.log10(max(n, 1) / 100)))
+    v = math.ceil(n / 10 ** (9 - d)) / 10 ** d
+    return f"{v:.{d}f}"
+
+
+def _gb(n: int) -> str:
+    d = 2 if n >= 1e8 else max(2, 9 - math.floor(math.log10(max(n, 1) / 100)))
+    return f"{n / GB:.{d}f}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / MB:.2f}" if n >= 1e5 else f"{n / MB:.4f}"
+
+
+def _alloc_arena(nbytes: int, huge: bool) -> tuple[np.ndarray, object]:
+    """A writable 4096-aligned uint8 arena (2 MiB aligned + MADV_HUGEPAGE when ``huge``).
+
+    Anonymous memory: pages become resident when a slot is first filled."""
+    if huge and os.environ.get("K3_NOHUGE") is None:
+        try:
+            mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError, AttributeError):
+            mm = None
+        if mm is not None:
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+            buf = np.frombuffer(mm, dtype=np.uint8)
+            lead = (-buf.ctypes.data) % _HUGE
+            return buf[lead:lead + nbytes], mm
+    return aligned_empty(nbytes), None
+
+
+# --------------------------------------------------------------------- statistics
+_COUNTERS = ("requests", "hits", "misses", "evictions", "reads", "failed_reads",
+             "scattered_reads", "bytes_read", "io_bytes")
+
+
+class _Stats:
+    __slots__ = _COUNTERS + ("read_seconds",)
+
+    def __init__(self):
+        for k in _COUNTERS:
+            setattr(self, k, 0)
+        self.read_seconds = 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in _COUNTERS}
+        d["read_seconds"] = self.read_seconds
+        d["retention"] = self.requests - self.evictions
+        d["hit_rate"] = self.hits / self.requests if self.requests else 0.0
+        d["retention_rate"] = d["retention"] / self.requests if self.requests else 0.0
+        d["read_gbps"] = self.io_bytes / self.read_seconds / GB if self.read_seconds > 0 else 0.0
+        return d
+
+
+_INFLIGHT = object()  # key_of state of a reserved slot being read
+
+
+class ExpertCache:
+    """LRU cache of routed experts in a fixed arena of slots (see the module docstring).
+
+    ``budget_bytes`` is the arena budget: ``n_slots = budget_bytes // slot_bytes``
+    (capped at the number of routed experts the model has, never below top-k + 1);
+    a budget below top-k + 1 slots is refused (K3Error, exit code 1). ``reader``
+    (default: a private ShardFiles) does the reads; ``io_threads`` reads run in
+    parallel within one call; ``trace`` records every request for :meth:`dump_trace`.
+    """
+
+    def __init__(self, layout: ExpertSource, budget_bytes: int, reader: ShardFiles | None = None,
+                 io_threads: int = 4, trace: bool = False):
+        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+            raise UsageError(f"the expert cache budget must be a non-negative number of bytes, got {budget_bytes!r}.")
+        if int(io_threads) < 1:
+            raise UsageError(f"expert cache io_threads must be >= 1, got {io_threads}.")
+        self.layout = layout
+        cfg = layout.cfg
+        self.n_layers = int(layout.n_layers)
+        self.n_experts = int(cfg.num_experts)
+        self.top_k = int(cfg.num_experts_per_token)
+        self._moe = [bool(cfg.is_moe(i)) for i in range(self.n_layers)]
+        self._slot_bytes = expert_slot_bytes(layout)
+        budget_bytes = int(budget_bytes)
+        self._n_slots = expert_cache_slots(layout, budget_bytes)
+        self.budget_bytes = budget_bytes
+        self.io_threads = int(io_threads)
+        self._own_reader = reader is None
+        self.reader = reader if reader is not None else ShardFiles()
+        self._arena, self._mmap = _alloc_arena(self._n_slots * self._slot_bytes,
+                                               huge=self._slot_bytes >= _HUGE)
+        n = self._n_slots
+        self._key_of: list = [None] * n          # None = EMPTY, _INFLIGHT, or (layer, e)
+        self._weights: list = [None] * n         # ExpertWeights of a published slot
+        self._stamp = np.zeros(n, dtype=np.int64)  # clock of the last use
+        self._clock = 0
+        self._empty = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slot_of: dict[tuple[int, int], int] = {}
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # oldest first
+        self._loc: dict[tuple[int, int], ExpertLocation] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._busy = threading.Lock()
+        self._run = _Stats()
+        self._step = _Stats()
+        self.steps = 0
+        self.trace_enabled = bool(trace)
+        self._trace = array("i")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_slots(self) -> int:
+        return self._n_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._n_slots * self._slot_bytes
+
+    @property
+    def max_experts_per_call(self) -> int:
+        return self._n_slots - 1
+
+    @property
+    def resident_count(self) -> int:
+        return len(self._slot_of)
+
+    def resident(self, layer: int, e: int) -> bool:
+        """Whether expert ``e`` of ``layer`` is in the cache now (no accounting)."""
+        return (int(layer), int(e)) in self._slot_of
+
+    # ------------------------------------------------------------------ the fetch
+    def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
+        """Experts ``ids`` of ``layer`` as ExpertWeights viewing the arena.
+
+        Valid until the next call. At most ``max_experts_per_call`` distinct ids
+        (ValueError otherwise: the caller groups). A repeated id counts as a request
+        that hits. A failed read raises ReadError (exit code 4); the experts read
+        successfully in the same call are kept, the failed ones are not published."""
+        layer = int(layer)
+        ids = [int(e) for e in ids]
+        uniq = list(dict.fromkeys(ids))
+        if len(uniq) > self.max_experts_per_call:
+            raise ValueError(
+                f"{len(uniq)} experts requested in one call; this cache hands out at most "
+                f"{self.max_experts_per_call} at once (n_slots - 1): fetch them in groups")
+        if not (0 <= layer < self.n_layers and self._moe[layer]):
+            raise ValueError(f"layer {layer} is not an MoE layer of this model")
+        for e in uniq:
+            if not 0 <= e < self.n_experts:
+                raise ValueError(f"expert id {e} out of range 0..{self.n_experts - 1}")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        try:
+            return self._fetch(layer, ids, uniq)
+        finally:
+            self._busy.release()
+
+    def _fetch(self, layer: int, ids: list, uniq: list) -> dict[int, ExpertWeights]:
+        run, step = self._run, self._step
+        n_req = len(ids)
+        if self.trace_enabled:
+            for e in ids:
+                self._trace.append(layer)
+                self._trace.append(e)
+        out: dict[int, ExpertWeights] = {}
+        missing: list[int] = []
+        for e in uniq:
+            key = (layer, e)
+            slot = self._slot_of.get(key)
+            if slot is None:
+                missing.append(e)
+            else:
+                self._touch(key, slot)
+                out[e] = self._weights[slot]
+        n_miss = len(missing)
+        for s in (run, step):
+            s.requests += n_req
+            s.hits += n_req - n_miss
+            s.misses += n_miss
+        if missing:
+            self._load(layer, missing, set(uniq), out)
+        return {e: out[e] for e in uniq}
+
+    def _touch(self, key, slot) -> None:
+        self._clock += 1
+        self._stamp[slot] = self._clock
+        self._lru.move_to_end(key)
+
+    def _location(self, layer: int, e: int) -> ExpertLocation:
+        key = (layer, e)
+        loc = self._loc.get(key)
+        if loc is None:
+            loc = locate_expert(self.layout, layer, e)
+            if loc.span > self._slot_bytes:  # only if expert_tensors changed under us
+                raise CheckpointError(
+                    f"routed expert {e} of layer {layer} needs {loc.span} bytes, more than the "
+                    f"{self._slot_bytes}-byte cache slot computed for this checkpoint")
+            self._loc[key] = loc
+        return loc
+
+    def _reserve(self, layer: int, call_ids: set) -> int:
+        """Phase 1: an EMPTY slot, else evict the least recently used published expert
+        that is not part of this call. Reserved slots are in flight (not in the LRU)."""
+        if self._empty:
+            slot = self._empty.pop()
+        else:
+            victim = None
+            for key in self._lru:  # oldest first; this call's hits were just touched (at the end)
+                if not (key[0] == layer and key[1] in call_ids):
+                    victim = key
+                    break
+            if victim is None:  # pragma: no cover - excluded by max_experts_per_call
+                raise RuntimeError("expert cache: no evictable slot (more experts in flight than slots)")
+            slot = self._lru.pop(victim)
+            del self._slot_of[victim]
+            self._weights[slot] = None
+            self._run.evictions += 1
+            self._step.evictions += 1
+        self._key_of[slot] = _INFLIGHT
+        return slot
+
+    def _load(self, layer: int, missing: list, call_ids: set, out: dict) -> None:
+        locs = [self._location(layer, e) for e in missing]  # may raise before anything is reserved
+        jobs = [(loc, self._reserve(layer, call_ids)) for loc in locs]
+        jobs.sort(key=lambda j: (j[0].file, j[0].offset))
+        t0 = time.perf_counter()
+        if self.io_threads == 1 or len(jobs) == 1:
+            results = [self._read_job(j) for j in jobs]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="k3-expert-io")
+            results = list(self._pool.map(self._read_job, jobs))
+        dt = time.perf_counter() - t0
+        run, step = self._run, self._step
+        failed = []
+        for (loc, slot), (err, io) in zip(jobs, results):
+            if err is not None:
+                self._key_of[slot] = None
+                self._empty.append(slot)
+                failed.append((loc, err))
+                continue
+            key = (layer, loc.expert)
+            self._key_of[slot] = key
+            self._slot_of[key] = slot
+            self._lru[key] = slot
+            self._clock += 1
+            self._stamp[slot] = self._clock
+            ew = self._weights[slot] = self._build(slot, loc)
+            out[loc.expert] = ew
+            for s in (run, step):
+                s.reads += 1
+                s.scattered_reads += not loc.contiguous
+                s.bytes_read += loc.nbytes
+                s.io_bytes += io
+        for s in (run, step):
+            s.read_seconds += dt
+            s.failed_reads += len(failed)
+        if failed:
+            loc, err = failed[0]
+            if not isinstance(err, (ReadError, OSError)):
+                raise err
+            more = f" ({len(failed) - 1} more expert reads of this batch failed too.)" if len(failed) > 1 else ""
+            raise ReadError(
+                f"EXPERT READ FAILED: layer {layer} expert {loc.expert} (file {loc.file}, offset "
+                f"{loc.offset}, {loc.nbytes} bytes): {err}{more} The step is aborted; no output "
+                f"from it is valid.") from err
+
+    def _slot_array(self, slot: int) -> np.ndarray:
+        s = self._slot_bytes
+        return self._arena[slot * s:(slot + 1) * s]
+
+    def _read_job(self, job) -> tuple[BaseException | None, int]:
+        """Phase 2 (runs on an I/O thread): read one expert into its reserved slot."""
+        loc, slot = job
+        buf = self._slot_array(slot)
+        try:
+            if loc.contiguous:
+                self.reader.read_direct(loc.file, loc.offset, loc.nbytes, out=buf[:loc.span])
+                return None, loc.span
+            for p in loc.parts:
+                self.reader.read_into((p.file, p.file_offset, p.nbytes), buf[p.slot_offset:p.slot_offset + p.nbytes])
+            return None, loc.nbytes
+        except BaseException as e:  # reported by the caller after every read has finished
+            return e, 0
+
+    def _build(self, slot: int, loc: ExpertLocation) -> ExpertWeights:
+        buf = self._slot_array(slot)
+        views = {}
+        for p in loc.parts:
+            t = torch.from_numpy(buf[p.slot_offset:p.slot_offset + p.nbytes])
+            views[p.rel] = t.view(TORCH_DTYPES[p.dtype]).reshape(p.shape)
+        ws = []
+        for w in _WEIGHTS:
+            if f"{w}.weight_packed" in views:
+                ws.append(Mxfp4Weight(views[f"{w}.weight_packed"], views[f"{w}.weight_scale"]))
+            else:
+                ws.append(views[f"{w}.weight"])
+        return ExpertWeights(*ws)
+
+    # ------------------------------------------------------------------ statistics
+    def _header(self) -> dict:
+        return {"n_slots": self._n_slots, "slot_bytes": self._slot_bytes, "arena_bytes": self.arena_bytes,
+                "resident": len(self._slot_of)}
+
+    def stats(self) -> dict:
+        """Whole-run statistics (JSON-ready)."""
+        return {**self._header(), "steps": self.steps, **self._run.as_dict()}
+
+    def step_stats(self) -> dict:
+        """Statistics of the current step (since the last end_step)."""
+        return {**self._header(), "step": self.steps, **self._step.as_dict()}
+
+    def end_step(self) -> dict:
+        """Close the current step: returns its statistics and resets the step counters."""
+        d = self.step_stats()
+        self._step = _Stats()
+        self.steps += 1
+        return d
+
+    # ------------------------------------------------------------------ trace
+    def trace_array(self) -> np.ndarray:
+        """The recorded requests as int32 [N, 2] (layer, expert), request order."""
+        return np.frombuffer(self._trace, dtype=np.int32).reshape(-1, 2).copy() if self._trace else \
+            np.zeros((0, 2), dtype=np.int32)
+
+    def dump_trace(self, out_dir) -> dict:
+        """Write ``expert_trace.bin`` (little-endian int32 pairs layer, expert in request
+        order) and ``expert_hist.json`` (``{"n_layers", "n_experts", "counts": {"L,e": n}}``)
+        into ``out_dir``; returns {"trace": path, "hist": path, "requests": N}."""
+        if not self.trace_enabled:
+            raise UsageError("the expert cache was created without tracing, so there is no trace to dump; "
+                             "enable it (trace=True / --dump-trace) before the run.")
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tr = self.trace_array()
+        tpath, hpath = d / "expert_trace.bin", d / "expert_hist.json"
+        tr.astype("<i4").tofile(tpath)
+        counts: dict[str, int] = {}
+        if len(tr):
+            keys, n = np.unique(tr[:, 0].astype(np.int64) * self.n_experts + tr[:, 1], return_counts=True)
+            counts = {f"{int(k) // self.n_experts},{int(k) % self.n_experts}": int(c) for k, c in zip(keys, n)}
+        hpath.write_text(json.dumps({"n_layers": self.n_layers, "n_experts": self.n_experts, "counts": counts}))
+        return {"trace": str(tpath), "hist": str(hpath), "requests": int(len(tr))}
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the I/O threads (and close the reader if the cache opened it)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._own_reader:
+            self.reader.close()
+
+    def __enter__(self) -> "ExpertCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ExpertCache({self._n_slots} slots x {_mb(self._slot_bytes)} MB = "
+                f"{_gb(self.arena_bytes)} GB, {len(self._slot_of)} resident)")
