@@ -1,16 +1,31 @@
 """Kimi's tiktoken BPE tokenizer, built from a model folder's `tiktoken.model` and
 `tokenizer_config.json` (spec 5).
 
-No BOS is added. Control text is encoded with specials allowed; user text with
-specials disabled (a literal `<|open|>` typed by a user is ordinary text). Long
-inputs are split the way the release does before calling tiktoken.
+* `tiktoken.model`: one `base64(token bytes) rank` line per mergeable token.
+* 256 special ids follow the last rank; their names come from
+  `tokenizer_config.json`'s `added_tokens_decoder`, the rest are
+  `<|reserved_token_{id}|>`.
+* The split pattern is Kimi's `pat_str` (Han runs first, Han removed from the letter
+  classes; `&&` class intersection, which tiktoken's regex engine and Python's
+  `regex` module in V1 mode both read the same way).
+* No BOS is added. Control text is encoded with specials allowed; user text with
+  specials disabled, so a literal `<|open|>` typed by a user is ordinary text.
+* Long inputs are cut the way the release does before calling tiktoken: pieces of at
+  most 400,000 characters, then so that no run of whitespace or of non-whitespace is
+  longer than 25,000 characters.
+
+`StreamDecoder` turns a token stream into text without ever emitting a broken UTF-8
+sequence (a character split across tokens is held back until it is complete).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import codecs
 import json
 from pathlib import Path
+from typing import Iterable, Iterator, Sequence
 
 from .errors import UsageError
 
@@ -28,9 +43,16 @@ NUM_RESERVED = 256
 MAX_CHARS = 400_000
 MAX_RUN = 25_000
 
+TOKENIZER_FILE = "tiktoken.model"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-def _split_runs(s: str, max_run: int):
-    """Cut s so that no run of whitespace or of non-whitespace exceeds max_run chars."""
+Segment = tuple[str, bool]  # (text, allow_special)
+
+
+def split_runs(s: str, max_run: int = MAX_RUN) -> Iterator[str]:
+    """Cut s so that no run of whitespace or of non-whitespace exceeds max_run chars
+    (a run that reaches the limit is cut there; the next piece continues it)."""
     start, run, kind = 0, 0, None
     for i, ch in enumerate(s):
         k = ch.isspace()
@@ -42,37 +64,89 @@ def _split_runs(s: str, max_run: int):
     yield s[start:]
 
 
+def pieces(text: str, max_chars: int = MAX_CHARS, max_run: int = MAX_RUN) -> Iterator[str]:
+    """The pieces the release hands to tiktoken one at a time."""
+    for i in range(0, len(text), max_chars):
+        yield from split_runs(text[i:i + max_chars], max_run)
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken.model file; refuses anything that is not `base64 rank` lines
+    with distinct tokens and ranks 0..n-1."""
+    ranks: dict[bytes, int] = {}
+    seen_ranks: set[int] = set()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the tokenizer ({e.strerror}).") from None
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tok, rank_s = line.split()
+            tok_b = base64.b64decode(tok, validate=True)
+            rank = int(rank_s)
+        except (ValueError, binascii.Error):
+            raise UsageError(f"{path}: line {n} is not `base64(token) rank`; the file is damaged.") from None
+        if tok_b in ranks or rank in seen_ranks:
+            raise UsageError(f"{path}: line {n} repeats a token or a rank already given; the file is damaged.")
+        ranks[tok_b] = rank
+        seen_ranks.add(rank)
+    if not ranks:
+        raise UsageError(f"{path}: the tokenizer file is empty.")
+    if max(seen_ranks) != len(ranks) - 1 or min(seen_ranks) != 0:
+        raise UsageError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}; the file is damaged.")
+    return ranks
+
+
 class Tokenizer:
+    """Kimi tokenizer for one model folder. `encode(text)` treats everything as plain
+    text; `encode(text, allow_special=True)` matches special-token names;
+    `encode_segments` encodes a rendered chat (a list of (text, allow_special))."""
+
     def __init__(self, model_dir):
         import tiktoken
 
         d = Path(model_dir)
-        path = d / "tiktoken.model"
+        self.dir = d
+        path = d / TOKENIZER_FILE
         if not path.is_file():
-            raise UsageError(f"{path}: no tiktoken.model in the model folder; a text prompt needs the tokenizer "
+            raise UsageError(f"{path}: no {TOKENIZER_FILE} in the model folder; a text prompt needs the tokenizer "
                              "(or pass token ids with --ids).")
-        ranks = {}
-        try:
-            for n, line in enumerate(path.read_bytes().splitlines(), 1):
-                if not line.strip():
-                    continue
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok)] = int(rank)
-        except (ValueError, base64.binascii.Error):
-            raise UsageError(f"{path}: line {n} is not `base64(token) rank`; the file is damaged.") from None
+        ranks = read_ranks(path)
         n_base = len(ranks)
-        names = {}
-        cfg_path = d / "tokenizer_config.json"
+        names: dict[int, str] = {}
+        self.config: dict = {}
+        cfg_path = d / TOKENIZER_CONFIG
         if cfg_path.is_file():
             try:
                 tc = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{cfg_path}: not valid JSON ({e.msg}).") from None
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise UsageError(f"{cfg_path}: not readable JSON ({e}).") from None
+            if not isinstance(tc, dict):
+                raise UsageError(f"{cfg_path}: expected a JSON object.")
+            self.config = tc
             for k, v in (tc.get("added_tokens_decoder") or {}).items():
-                names[int(k)] = v["content"] if isinstance(v, dict) else str(v)
-        specials = {}
+                try:
+                    i = int(k)
+                except ValueError:
+                    raise UsageError(f"{cfg_path}: added_tokens_decoder key {k!r} is not a token id.") from None
+                name = v.get("content") if isinstance(v, dict) else v
+                if not isinstance(name, str) or not name:
+                    raise UsageError(f"{cfg_path}: added token {i} has no content string.")
+                if not n_base <= i < n_base + NUM_RESERVED:
+                    raise UsageError(
+                        f"{cfg_path}: added token {i} ({name!r}) is outside the special range "
+                        f"{n_base}..{n_base + NUM_RESERVED - 1} that follows the {n_base} ranks of {TOKENIZER_FILE}. "
+                        "The tokenizer files do not belong together.")
+                names[i] = name
+        specials: dict[str, int] = {}
         for i in range(n_base, n_base + NUM_RESERVED):
-            specials[names.get(i, f"<|reserved_token_{i}|>")] = i
+            name = names.get(i, f"<|reserved_token_{i}|>")
+            if name in specials:
+                raise UsageError(f"{cfg_path}: the special token name {name!r} is given to both "
+                                 f"{specials[name]} and {i}.")
+            specials[name] = i
         self.enc = tiktoken.Encoding(name=f"kimi:{d.name}", pat_str=PAT_STR, mergeable_ranks=ranks,
                                      special_tokens=specials)
         self.n_base = n_base
@@ -80,47 +154,102 @@ class Tokenizer:
         self.id_to_special = {v: k for k, v in specials.items()}
         self.vocab_size = n_base + NUM_RESERVED
 
-    def _pieces(self, text: str):
-        for i in range(0, len(text), MAX_CHARS):
-            yield from _split_runs(text[i:i + MAX_CHARS], MAX_RUN)
+    # ---------------------------------------------------------------- names and ids
+    def token_id(self, name: str) -> int:
+        """Id of a special token by name (e.g. "<|end_of_msg|>")."""
+        try:
+            return self.special_ids[name]
+        except KeyError:
+            raise UsageError(f"{self.dir}: the tokenizer has no special token {name!r}.") from None
 
+    def has_special(self, name: str) -> bool:
+        return name in self.special_ids
+
+    def is_special(self, token: int) -> bool:
+        return int(token) >= self.n_base
+
+    def _named(self, key: str) -> int | None:
+        v = self.config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return self.special_ids.get(v) if isinstance(v, str) else None
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._named("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._named("eos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._named("pad_token")
+
+    def chat_template(self) -> str | None:
+        """The folder's Jinja chat template: `chat_template.jinja`, else the
+        `chat_template` field of tokenizer_config.json (None when neither exists)."""
+        f = self.dir / CHAT_TEMPLATE_FILE
+        if f.is_file():
+            try:
+                return f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"{f}: cannot read the chat template ({e}).") from None
+        t = self.config.get("chat_template")
+        if isinstance(t, str):
+            return t
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            for entry in t:
+                if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+                    return entry["template"]
+        return None
+
+    # ---------------------------------------------------------------- encode / decode
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         out: list[int] = []
-        for piece in self._pieces(text):
+        for piece in pieces(text):
+            if not piece:
+                continue
             if allow_special:
                 out += self.enc.encode(piece, allowed_special="all")
             else:
                 out += self.enc.encode(piece, disallowed_special=())
         return out
 
-    def decode_bytes(self, ids) -> bytes:
+    def encode_segments(self, segments: Iterable[Segment]) -> list[int]:
+        """Encode a rendered chat segment by segment (never concatenated first, so the
+        boundary between control text and user text is kept)."""
+        out: list[int] = []
+        for text, allow_special in segments:
+            out += self.encode(text, allow_special=allow_special)
+        return out
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return self.enc.decode_bytes([int(t) for t in ids])
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.enc.decode_single_token_bytes(int(token))
 
 
 class StreamDecoder:
-    """Incremental detokenizer that never emits a broken UTF-8 sequence."""
+    """Incremental detokenizer: `push(token)` returns the text that is complete so
+    far; bytes of a character split across tokens are held until it completes.
+    Invalid bytes come out as U+FFFD, never as a broken sequence."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
-        self.buf = b""
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
-        self.buf += self.tok.decode_bytes([token])
-        for cut in range(len(self.buf), max(len(self.buf) - 4, -1), -1):
-            try:
-                s = self.buf[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self.buf = self.buf[cut:]
-            return s
-        # Invalid bytes (not merely an unfinished character): emit them replaced,
-        # keeping only a possible unfinished tail.
-        s, self.buf = self.buf[:-3].decode("utf-8", errors="replace"), self.buf[-3:]
-        return s
+        return self._dec.decode(self.tok.token_bytes(token))
+
+    def push_bytes(self, data: bytes) -> str:
+        return self._dec.decode(data)
 
     def flush(self) -> str:
-        s, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+        s = self._dec.decode(b"", final=True)
+        self._dec.reset()
         return s
