@@ -58,7 +58,7 @@ def parse_ids(text: str) -> list[int]:
 
 # ---------------------------------------------------------------- k3 run
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model folder (config.json, model.safetensors.index.json, shards)")
+    p.add_argument("model", nargs="?", help="model folder (config.json, model.safetensors.index.json, shards)")
     src = p.add_argument_group("prompt (exactly one)")
     src.add_argument("--prompt", help="prompt text (tokenized with the model folder's tiktoken.model)")
     src.add_argument("--prompt-file", help="file whose bytes are the prompt text (UTF-8)")
@@ -73,6 +73,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-logits", help="write the first step's float32 logits (raw little-endian) here")
     p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout instead of text")
+    p.add_argument("--list-presets", action="store_true", help="print the memory presets and exit")
+    from .runner import add_budget_args
+    add_budget_args(p)
 
 
 def _read_prompt(args, model_dir) -> tuple[list[int], object]:
@@ -105,49 +108,75 @@ def _read_prompt(args, model_dir) -> tuple[list[int], object]:
 
 
 def cmd_run(args) -> int:
-    from .engine import check_ids, generate, load_model
+    from .config import load_config
+    from .engine import check_ids, generate
+    from .runner import StepStats, open_session
     from .tokenizer import StreamDecoder
 
     t_start = time.perf_counter()
+    if args.list_presets:
+        from .memory.planner import presets_table
+        print(presets_table())
+        return EXIT_OK
+    if args.model is None:
+        raise UsageError("give the model folder as the first argument (k3 run MODEL --prompt ...).")
     if not 0 <= args.gen <= 4096:
         raise UsageError(f"--gen must be in 0..4096, got {args.gen}.")
+    if args.trunk_ring < 1:
+        raise UsageError(f"--trunk-ring must be >= 1, got {args.trunk_ring}.")
+    if args.io_threads < 1:
+        raise UsageError(f"--io-threads must be >= 1, got {args.io_threads}.")
     threads = set_threads(args.threads)
     model_dir = args.model
     if not Path(model_dir).is_dir():
         raise UsageError(f"{model_dir}: not a folder. Give the model folder (config.json + shards) as the first argument.")
     ids, tok = _read_prompt(args, model_dir)
-    from .config import load_config
     cfg = load_config(args.config or model_dir)
     err(cfg.summary())
     ids = check_ids(cfg, ids)
+    if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
     err(f"  model    : {model_dir}")
-    err(f"  prompt   : {len(ids)} tokens, generating {args.gen} ({'incremental' if args.incremental else 'full recompute'}), {threads} threads")
+    err(f"  prompt   : {len(ids)} tokens, generating {args.gen} "
+        f"({'incremental' if args.incremental else 'full recompute'}), {threads} threads")
     if args.layers is not None:
         err(f"  WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers run. "
             "Output is NOT the full model.")
-    t0 = time.perf_counter()
-    model = load_model(model_dir, config_path=args.config, n_layers=args.layers)
-    prov = model.provider
-    err(f"indexed {len(prov.index)} tensors from {len(prov.index.shards())} shards")
-    err(f"resident trunk: {human(prov.resident_bytes)} in RAM (as stored: BF16/F32; small vectors fp32), "
-        f"read in {time.perf_counter() - t0:.2f} s")
-    err(f"peak RSS after loading weights: {human(peak_rss_bytes())}")
+    sess = open_session(args, cfg, model_dir, len(ids) + args.gen + 1, log=err)
+    prov, model = sess.provider, sess.model
+    if prov.trunk is not None:
+        err(f"trunk streaming from {args.trunk}: {prov.trunk.describe()}")
+    else:
+        err(f"resident trunk: {human(prov.resident_trunk_bytes)} in RAM (as stored: BF16/F32)")
+    err(f"model tables: {'STREAMED (ultra-low-memory)' if prov.ultra else 'resident'}; loaded in {sess.load_seconds:.2f} s")
+    c = prov.cache
+    err(f"expert cache: {c.n_slots} slots x {human(c.slot_bytes)} = {human(c.arena_bytes)}")
+    err(f"peak RSS after loading weights: {human(peak_rss_bytes())}  (the plan above is a forecast, this is measured)")
     err("")
-    err(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'TOK/S':>8}")
-    err("-" * 33)
+    err(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'HIT %':>7} {'READ GB':>9} {'TOK/S':>8}")
+    err("-" * 52)
+    stats = StepStats(prov)
     steps = []
-    # Text streams to stdout as it is produced; when stdout and stderr are the same
-    # terminal it would interleave with the step table, so it is printed as a block.
     block_text = tok is not None and not args.json and sys.stdout.isatty() and sys.stderr.isatty()
     stream = StreamDecoder(tok) if tok is not None and not args.json and not block_text else None
-    for s in generate(model, ids, args.gen, incremental=args.incremental):
-        steps.append(s)
-        if s.step == 0 and args.dump_logits:
-            _write_logits(args.dump_logits, s.logits)
-        err(f"{s.step:>5} {s.token:>8} {s.seconds:>9.3f} {1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}")
-        if stream is not None:
-            sys.stdout.write(stream.push(s.token))
-            sys.stdout.flush()
+    progress = _LayerProgress(model, prov) if sys.stderr.isatty() else None
+    try:
+        for s in generate(model, ids, args.gen, incremental=args.incremental):
+            if progress is not None:
+                progress.clear()
+            steps.append(s)
+            row = stats.step(s)
+            if s.step == 0 and args.dump_logits:
+                _write_logits(args.dump_logits, s.logits)
+            read_gb = (row["expert_bytes_read"] + row.get("trunk_bytes_read", 0)) / 1e9
+            err(f"{s.step:>5} {s.token:>8} {s.seconds:>9.3f} {row['expert_hit_pct']:>7.1f} {read_gb:>9.3f} "
+                f"{1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}")
+            if stream is not None:
+                sys.stdout.write(stream.push(s.token))
+                sys.stdout.flush()
+    finally:
+        if progress is not None:
+            progress.clear()
     if stream is not None:
         sys.stdout.write(stream.flush() + "\n")
     gen_ids = [s.token for s in steps]
@@ -155,38 +184,109 @@ def cmd_run(args) -> int:
         err("--- generated text ---")
         print(tok.decode(gen_ids), flush=True)
         err("----------------------")
+    result = _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start)
+    if args.out:
+        _write_json_atomic(args.out, result)
+        err(f"wrote {args.out}")
+    if args.dump_cache_trace:
+        prov.cache.dump_trace(args.dump_cache_trace)
+        err(f"wrote {args.dump_cache_trace}/expert_trace.bin")
+    prov.close()
+    if args.json:
+        print(json.dumps(result))
+    elif tok is None:
+        print(" ".join(map(str, gen_ids)))
+    return EXIT_OK
+
+
+class _LayerProgress:
+    """A one-line live display on stderr (terminals only): layers done and bytes read."""
+
+    def __init__(self, model, prov):
+        self.n = model.n_layers
+        self.prov = prov
+        self.t0 = time.perf_counter()
+        self.shown = False
+        model.on_layer = self.on_layer
+
+    def on_layer(self, i):
+        dt = time.perf_counter() - self.t0
+        if dt < 2.0 and not self.shown:  # only long steps get a live line
+            return
+        gb = self.prov.cache.stats().get("bytes_read", 0) / 1e9
+        if self.prov.trunk is not None:
+            gb += self.prov.trunk.stats().get("bytes_read", 0) / 1e9
+        sys.stderr.write(f"\r  layer {i + 1}/{self.n}  {gb:.2f} GB read  {dt:.1f} s ")
+        sys.stderr.flush()
+        self.shown = True
+        if i + 1 == self.n:
+            self.t0 = time.perf_counter()
+
+    def clear(self):
+        if self.shown:
+            sys.stderr.write("\r" + " " * 60 + "\r")
+            sys.stderr.flush()
+            self.shown = False
+        self.t0 = time.perf_counter()
+
+
+def _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start) -> dict:
+    prov = sess.provider
     total = sum(s.seconds for s in steps)
     spt = total / len(steps) if steps else 0.0
+    cs = prov.cache.stats()
+    ts = prov.trunk.stats() if prov.trunk is not None else {}
     err("")
     if args.dump_logits and steps:
         err(f"wrote {args.dump_logits} ({cfg.vocab_size} float32 logits)")
     err(f"{len(steps)} tokens in {total:.2f} s, {spt:.3f} s/token average")
-    err(f"PEAK RSS for the whole run: {human(peak_rss_bytes())}   <- quote this, not a plan")
-    result = {
-        "model": str(model_dir),
+    peak = peak_rss_bytes()
+    err(f"PEAK RSS for the whole run: {human(peak)}   <- quote this, not the plan ({human(sess.plan.total)})")
+    io_trunk = ts.get("device_seconds", 0.0)
+    io_exp = cs.get("read_seconds", 0.0)
+    if total > 0:
+        share = 100.0 * (io_trunk + io_exp) / total
+        err(f"I/O share of wall clock: {share:.1f}%  (trunk {io_trunk:.2f} s + experts {io_exp:.2f} s of {total:.2f} s; "
+            f"whole-run totals over {len(steps)} steps)")
+        hidden = ts.get("overlap_seconds", 0.0)
+        if hidden > 0:
+            err(f"  {hidden:.2f} s of trunk device time was hidden behind arithmetic by the reader threads")
+    req, ev = cs.get("requests", 0), cs.get("evictions", 0)
+    err(f"experts, whole run: {cs.get('bytes_read', 0) / 1e9:.2f} GB read | {req - ev} of {req} requests retained "
+        f"in RAM ({100.0 * (req - ev) / req if req else 0:.1f}%) | {ev} evictions  (retention = requests - evictions)")
+    if ts:
+        err(f"trunk: pinned {ts.get('pinned', 0)}/{ts.get('n_layers', 0)} layers, ring {ts.get('ring_slots', 0)} slots; "
+            f"binds {ts.get('binds', 0)}, hits {ts.get('hits', 0)}, reads {ts.get('reads', 0)}; "
+            f"read {ts.get('bytes_read', 0) / 1e9:.2f} GB in {io_trunk:.2f} s "
+            f"({ts.get('bytes_read', 0) / 1e9 / io_trunk if io_trunk > 0 else 0:.2f} GB/s device)")
+    return {
+        "model": str(args.model),
         "prompt_ids": ids,
         "generated_ids": gen_ids,
         "full_ids": ids + gen_ids,
         "generated_text": tok.decode(gen_ids) if tok is not None else None,
         "mode": "incremental" if args.incremental else "full_recompute",
         "layers_requested": args.layers if args.layers is not None else cfg.num_hidden_layers,
-        "layers": model.n_layers,
-        "full_model": model.n_layers == cfg.num_hidden_layers,
+        "layers": sess.model.n_layers,
+        "full_model": sess.model.n_layers == cfg.num_hidden_layers,
         "threads": threads,
+        "preset": sess.budgets.preset,
+        "trunk_budget_bytes": sess.budgets.trunk,
+        "cache_budget_bytes": sess.budgets.cache,
+        "ultra_low_memory": sess.budgets.ultra,
+        "memory_plan": sess.plan.as_dict(),
         "seconds_per_token": spt,
         "step_seconds": [s.seconds for s in steps],
-        "peak_rss_bytes": peak_rss_bytes(),
-        "trunk_bytes_read": prov.bytes_read,
+        "steps": stats.rows,
+        "peak_rss_bytes": peak,
         "wall_seconds": time.perf_counter() - t_start,
+        "expert_cache": cs,
+        "trunk": ts,
+        "expert_bytes_read": cs.get("bytes_read", 0),
+        "trunk_bytes_read": ts.get("bytes_read", 0) if ts else prov.bytes_read,
+        "table_bytes_read": prov.table_bytes(),
+        "io_share": (io_trunk + io_exp) / total if total > 0 else 0.0,
     }
-    if args.out:
-        _write_json_atomic(args.out, result)
-        err(f"wrote {args.out}")
-    if args.json:
-        print(json.dumps(result))
-    elif tok is None:
-        print(" ".join(map(str, gen_ids)))
-    return EXIT_OK
 
 
 def _write_logits(path, logits) -> None:
@@ -215,6 +315,12 @@ def _atomic_write_bytes(path, data: bytes) -> None:
 
 def _write_json_atomic(path, obj) -> None:
     _atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def cmd_presets(args) -> int:
+    from .memory.planner import presets_table
+    print(presets_table())
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- k3 synth
@@ -259,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a synthetic checkpoint in the exact release format")
     add_synth_args(s)
     s.set_defaults(fn=cmd_synth)
+    pr = sub.add_parser("presets", help="print the memory presets (trunk / expert-cache GB)")
+    pr.set_defaults(fn=cmd_presets)
+    from .memory import cache_sim
+    cache_sim.register(sub)
     d = sub.add_parser("demo", help="generate a small synthetic checkpoint once and run on it")
     d.add_argument("--preset", default="small", help="synthetic preset (default small)")
     d.add_argument("--seed", type=int, default=0)

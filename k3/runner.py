@@ -169,7 +169,7 @@ def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
     """Index, plan, check, then allocate: the order matters (refuse before allocating)."""
     from .checkpoint.io import ShardFiles
     from .checkpoint.safetensors import CheckpointIndex
-    from .memory.expert_cache import expert_slot_bytes
+    from .memory.expert_cache import expert_cache_slots, expert_slot_bytes
     from .memory.resident import CheckpointLayout
     from .memory.streaming import StreamingWeights
 
@@ -182,10 +182,10 @@ def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
     budgets = resolve_budgets(args, cfg, layout, slot)
     for n in budgets.notes:
         log(n)
-    n_slots = budgets.cache // slot
+    n_slots = expert_cache_slots(layout, budgets.cache)
     if budgets.preset != "custom":
-        log(f"  preset   : {budgets.preset} (trunk {budgets.trunk / GB if budgets.trunk else 0:.2f} GB / "
-            f"expert cache {budgets.cache / GB:.2f} GB)")
+        trunk_txt = f"trunk {budgets.trunk / GB:.2f} GB" if budgets.trunk is not None else "trunk resident (no --trunk)"
+        log(f"  preset   : {budgets.preset} ({trunk_txt} / expert cache {budgets.cache / GB:.2f} GB)")
     plan, trunk_plan = build_plan(cfg, layout, budgets, args, tokens, slot, n_slots)
     log(plan.render())
     plan.check()
@@ -196,7 +196,7 @@ def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
     prov = StreamingWeights(cfg, model_dir, cache_budget=budgets.cache, trunk_dir=args.trunk,
                             trunk_budget=budgets.trunk, ring=args.trunk_ring, pin_order=order,
                             ultra=budgets.ultra, n_layers=args.layers, io_threads=args.io_threads,
-                            trace=bool(args.dump_cache_trace), index=index, reader=ShardFiles())
+                            trace=bool(args.dump_cache_trace), layout=layout, reader=ShardFiles())
     load = time.perf_counter() - t0
     model = Model(prov, n_layers=args.layers)
     return Session(cfg, model, prov, plan, budgets, trunk_plan, load)

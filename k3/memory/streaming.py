@@ -23,12 +23,14 @@ from .tables import StreamedEmbedding, StreamedRows
 class StreamingWeights:
     def __init__(self, cfg, model_dir, *, cache_budget: int, trunk_dir=None, trunk_budget: int | None = None,
                  ring: int = 2, pin_order: str = "largest", ultra: bool = False, n_layers: int | None = None,
-                 io_threads: int = 4, trace: bool = False, index: CheckpointIndex | None = None,
+                 io_threads: int = 4, trace: bool = False, layout: CheckpointLayout | None = None,
                  reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None, progress=None):
         self.config = cfg
-        self.index = index if index is not None else CheckpointIndex.open(model_dir)
-        self.layout = CheckpointLayout(cfg, self.index, n_layers)
-        self.layout.validate()
+        if layout is None:  # the runner passes the layout it already validated
+            layout = CheckpointLayout(cfg, CheckpointIndex.open(model_dir), n_layers)
+            layout.validate()
+        self.layout = layout
+        self.index = layout.index
         self.n_layers = self.layout.n_layers
         self.reader = reader if reader is not None else ShardFiles()
         self.ultra = ultra
