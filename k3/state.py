@@ -1,0 +1,326 @@
+"""Conversation state files (`--save-state` / `--load-state`), and cheap in-memory
+snapshots of an InferenceState (used to undo a forward pass cut short by Ctrl-C).
+
+File format: one safetensors file (no pickle; the `safetensors` library can read it),
+written atomically (temporary name, fsync, rename). The header's `__metadata__`:
+
+  format              "k3-state"
+  version             "1"
+  config_fingerprint  ModelConfig.fingerprint() of the model that wrote it
+  arch, hidden_size, num_hidden_layers, vocab_size   (for the refusal messages)
+  n_layers            layers in the state (fewer than the model's with --layers)
+  positions           tokens already in the state (fed through the model)
+  tokens              all tokens of the sequence, fed + pending
+  sha256              hash of the data section (every tensor's bytes, in order)
+  extra               JSON object for the front end (e.g. the chat messages)
+  written_by          "k3 <version>"
+
+Tensors (all fp32 except `ids`):
+  ids                        I64 [tokens]   the sequence; ids[positions:] are pending
+                                            (e.g. the last generated token, not yet fed)
+  layers.{i}.conv_q/k/v      F32 [K-1, C]   KDA short-conv histories
+  layers.{i}.S               F32 [H, dk, dv] KDA recurrent state
+  layers.{i}.k / .v          F32 [positions, H, *]  MLA KV cache (expanded per head)
+Layers hold no tensors when positions == 0.
+
+Loading refuses, with the reason: a file that is not a k3 state file, another format
+version, a state written by another model (fingerprint) or for another layer count, a
+truncated or damaged file (size, shapes, checksum), and a state with more positions
+than the run's KV capacity (`max_positions`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import __version__
+from .errors import K3Error, UsageError
+from .model.kda import KDAState
+from .model.mla import MLAState
+from .model.stack import InferenceState
+
+FORMAT = "k3-state"
+VERSION = 1
+MAX_HEADER = 100_000_000
+_CHUNK = 64 << 20
+_DT = {"F32": (torch.float32, 4), "I64": (torch.int64, 8)}
+
+
+class StateFileError(K3Error):
+    """A state file that cannot be used (exit code 2: a usage problem, the model is fine)."""
+
+    exit_code = 2
+
+
+@dataclass
+class LoadedState:
+    state: InferenceState
+    pending: list[int]
+    extra: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.state.ids) + list(self.pending)
+
+
+# ---------------------------------------------------------------- shapes
+def _kda_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    H, D, K = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel
+    return {"conv_q": (K - 1, H * D), "conv_k": (K - 1, H * D), "conv_v": (K - 1, H * D), "S": (H, D, D)}
+
+
+def _mla_shapes(cfg, positions: int) -> dict[str, tuple[int, ...]]:
+    H = cfg.mla_num_heads
+    return {"k": (positions, H, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), "v": (positions, H, cfg.v_head_dim)}
+
+
+def _layer_tensors(cfg, state: InferenceState) -> list[tuple[str, torch.Tensor]]:
+    P = state.position
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, ls in enumerate(state.layers):
+        if isinstance(ls, KDAState):
+            fields = {"conv_q": ls.conv_q, "conv_k": ls.conv_k, "conv_v": ls.conv_v, "S": ls.S}
+        elif isinstance(ls, MLAState):
+            fields = {"k": ls.k, "v": ls.v}
+            if ls.length != P:
+                raise K3Error(f"cannot save the state: MLA layer {i} holds {ls.length} positions but the sequence "
+                              f"has {P} (the state is inconsistent).")
+        else:
+            raise K3Error(f"cannot save the state: layer {i} holds a {type(ls).__name__}, not KDA or MLA state.")
+        for name, t in fields.items():
+            if t is None:
+                if P:
+                    raise K3Error(f"cannot save the state: layer {i} has no {name} although {P} positions were fed.")
+                continue
+            out.append((f"layers.{i}.{name}", t.detach().to(torch.float32).contiguous()))
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+# ---------------------------------------------------------------- save
+def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), extra: dict | None = None,
+               fsync: bool = True) -> int:
+    """Write `state` (+ `pending` tokens not yet fed) to `path` atomically; returns
+    the file size in bytes."""
+    from .checkpoint.writer import write_safetensors
+
+    ids = [int(t) for t in state.ids] + [int(t) for t in pending]
+    tensors = [("ids", torch.tensor(ids, dtype=torch.int64))] + _layer_tensors(cfg, state)
+    h = hashlib.sha256()
+    for _, t in tensors:
+        mv = _tensor_bytes(t)
+        for i in range(0, len(mv), _CHUNK):
+            h.update(mv[i:i + _CHUNK])
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "config_fingerprint": cfg.fingerprint(),
+        "arch": str(cfg.arch),
+        "hidden_size": str(cfg.hidden_size),
+        "num_hidden_layers": str(cfg.num_hidden_layers),
+        "vocab_size": str(cfg.vocab_size),
+        "n_layers": str(len(state.layers)),
+        "positions": str(state.position),
+        "tokens": str(len(ids)),
+        "sha256": h.hexdigest(),
+        "extra": json.dumps(extra or {}, ensure_ascii=False),
+        "written_by": f"k3 {__version__}",
+    }
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        raise UsageError(f"{path}: the folder {p.parent} does not exist.")
+    try:
+        write_safetensors(p, tensors, metadata=meta, fsync=fsync)
+    except OSError as e:
+        raise K3Error(f"{path}: could not write the state file ({e.strerror}).") from None
+    return p.stat().st_size
+
+
+# ---------------------------------------------------------------- load
+def _refuse(path, why: str) -> StateFileError:
+    return StateFileError(f"REFUSING to load {path}: {why}")
+
+
+def read_state_header(path) -> tuple[dict, dict, int, int]:
+    """(metadata, tensor entries, data start, file size); refuses files that are not
+    k3 state files or are cut short."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        f = open(p, "rb")
+    except FileNotFoundError:
+        raise StateFileError(f"{path}: no such state file.") from None
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot read the state file ({e.strerror}).") from None
+    with f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _refuse(path, f"it is {size} bytes long, too short to be a k3 state file (truncated or empty).")
+        n = int.from_bytes(head, "little")
+        if n < 2 or n > MAX_HEADER:
+            raise _refuse(path, "it is not a k3 conversation state file (no safetensors header).")
+        if 8 + n > size:
+            raise _refuse(path, f"the file is truncated: its header alone needs {8 + n} bytes and the file has {size}.")
+        raw = f.read(n)
+    try:
+        hdr = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _refuse(path, "it is not a k3 conversation state file (the header is not JSON).") from None
+    if not isinstance(hdr, dict):
+        raise _refuse(path, "it is not a k3 conversation state file.")
+    meta = hdr.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _refuse(path, "it is not a k3 conversation state file (a safetensors file without k3 state "
+                            "metadata; a model shard, perhaps?). Give a file written by --save-state.")
+    return meta, hdr, 8 + n, size
+
+
+def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None = None) -> LoadedState:
+    """Read a state file for this model. `max_positions` is the run's KV capacity
+    (refused when the state holds more tokens); `n_layers` the layers bound in this
+    run (default all)."""
+    meta, entries, start, size = read_state_header(path)
+    try:
+        version = int(meta.get("version", "0"))
+    except ValueError:
+        version = -1
+    if version != VERSION:
+        raise _refuse(path, f"it is state format version {meta.get('version')!r}; this k3 reads version {VERSION}. "
+                            "Re-create it with this version (a state file is not portable across formats).")
+    fp = cfg.fingerprint()
+    if meta.get("config_fingerprint") != fp:
+        raise _refuse(path, f"it was written by a different model architecture (config fingerprint "
+                            f"{meta.get('config_fingerprint')} vs {fp} here: {meta.get('arch')} hidden="
+                            f"{meta.get('hidden_size')} layers={meta.get('num_hidden_layers')} vocab="
+                            f"{meta.get('vocab_size')}, this model is {cfg.arch} hidden={cfg.hidden_size} layers="
+                            f"{cfg.num_hidden_layers} vocab={cfg.vocab_size}). A state only continues the model "
+                            "that wrote it.")
+    want_layers = cfg.num_hidden_layers if n_layers is None else n_layers
+    try:
+        nl, positions, ntok = int(meta["n_layers"]), int(meta["positions"]), int(meta["tokens"])
+        extra = json.loads(meta.get("extra", "{}") or "{}")
+    except (KeyError, ValueError, json.JSONDecodeError):
+        raise _refuse(path, "its metadata is incomplete (n_layers / positions / tokens); the file is damaged.") from None
+    if nl != want_layers:
+        raise _refuse(path, f"it holds state for {nl} layers and this run binds {want_layers} (--layers must match "
+                            "the run that saved it).")
+    if not 0 <= positions <= ntok:
+        raise _refuse(path, f"its metadata says {positions} positions of {ntok} tokens; the file is damaged.")
+    if max_positions is not None and ntok > max_positions:
+        raise _refuse(path, f"it holds {ntok} positions, more than this run's KV capacity of {max_positions} "
+                            "positions. Raise the capacity (--gen / --max-context) or shorten the new prompt.")
+
+    # expected tensors, in the order save_state writes them
+    expect: list[tuple[str, str, tuple[int, ...]]] = [("ids", "I64", (ntok,))]
+    for i in range(nl):
+        if positions == 0:
+            break
+        shapes = _mla_shapes(cfg, positions) if cfg.is_mla(i) else _kda_shapes(cfg)
+        expect += [(f"layers.{i}.{k}", "F32", s) for k, s in shapes.items()]
+    names = {e[0] for e in expect}
+    extra_names = sorted(set(entries) - names)
+    if extra_names:
+        raise _refuse(path, f"it holds tensors this model's state has no place for ({', '.join(extra_names[:3])}); "
+                            "the file is damaged or from another model.")
+    end = 0
+    layout = []
+    for name, dt, shape in expect:
+        e = entries.get(name)
+        if not isinstance(e, dict):
+            raise _refuse(path, f"tensor {name} is missing; the file is damaged.")
+        if e.get("dtype") != dt or tuple(e.get("shape", ())) != shape:
+            raise _refuse(path, f"tensor {name} is {e.get('dtype')} {e.get('shape')}, expected {dt} {list(shape)}; "
+                                "the file is damaged or from another model.")
+        b, t = e.get("data_offsets", (None, None))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _DT[dt][1]
+        if b != end or t != b + nbytes:
+            raise _refuse(path, f"tensor {name} is not where the format puts it; the file is damaged.")
+        end = t
+        layout.append((name, dt, shape, b))
+    if start + end != size:
+        if start + end > size:
+            raise _refuse(path, f"the file is truncated: it should be {start + end} bytes and it is {size}.")
+        raise _refuse(path, f"the file has {size - start - end} bytes after its last tensor; it is damaged.")
+
+    h = hashlib.sha256()
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        for name, dt, shape, b in layout:
+            t = torch.empty(shape, dtype=_DT[dt][0])
+            mv = _tensor_bytes(t)
+            f.seek(start + b)
+            got = 0
+            while got < len(mv):
+                n = f.readinto(mv[got:got + _CHUNK])
+                if not n:
+                    raise _refuse(path, f"the file is truncated inside tensor {name}.")
+                got += n
+            for i in range(0, len(mv), _CHUNK):
+                h.update(mv[i:i + _CHUNK])
+            tensors[name] = t
+    if meta.get("sha256") != h.hexdigest():
+        raise _refuse(path, "its checksum does not match its contents; the file is damaged.")
+    ids = tensors["ids"].tolist()
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise _refuse(path, f"it holds token id {bad[0]}, outside this model's vocabulary; the file is damaged.")
+    state = InferenceState.fresh(cfg, nl)
+    state.ids = ids[:positions]
+    if positions:
+        for i, ls in enumerate(state.layers):
+            if isinstance(ls, KDAState):
+                ls.conv_q, ls.conv_k, ls.conv_v, ls.S = (tensors[f"layers.{i}.{k}"] for k in ("conv_q", "conv_k", "conv_v", "S"))
+            else:
+                ls.k, ls.v = tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"]
+    return LoadedState(state, ids[positions:], extra if isinstance(extra, dict) else {}, meta)
+
+
+# ---------------------------------------------------------------- snapshots
+@dataclass
+class Snapshot:
+    n_ids: int
+    layers: list
+
+
+def snapshot(state: InferenceState) -> Snapshot:
+    """A cheap snapshot: references to the KDA tensors (the model replaces them, it
+    never writes into them) and the MLA cache lengths."""
+    layers = []
+    for ls in state.layers:
+        if isinstance(ls, KDAState):
+            layers.append((ls.conv_q, ls.conv_k, ls.conv_v, ls.S))
+        else:
+            layers.append(ls.length)
+    return Snapshot(len(state.ids), layers)
+
+
+def restore(state: InferenceState, snap: Snapshot) -> None:
+    """Put `state` back to `snap` (after a forward pass was interrupted midway)."""
+    del state.ids[snap.n_ids:]
+    for ls, s in zip(state.layers, snap.layers):
+        if isinstance(ls, KDAState):
+            ls.conv_q, ls.conv_k, ls.conv_v, ls.S = s
+        elif s == 0:
+            ls.k = ls.v = None
+        elif ls.length != s:
+            ls.k, ls.v = ls.k[:s].clone(), ls.v[:s].clone()
+
+
+def kv_positions_bytes(cfg, positions: int, n_layers: int | None = None) -> int:
+    """Bytes of the MLA KV cache at `positions` positions (expanded fp32, as held)."""
+    n = cfg.num_hidden_layers if n_layers is None else n_layers
+    per = sum(1 for i in range(n) if cfg.is_mla(i)) * cfg.mla_num_heads * (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 4
+    return per * positions
