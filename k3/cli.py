@@ -145,7 +145,7 @@ def cmd_run(args) -> int:
     sess = open_session(args, cfg, model_dir, len(ids) + args.gen + 1, log=err)
     prov, model = sess.provider, sess.model
     if prov.trunk is not None:
-        err(f"trunk streaming from {args.trunk}: {prov.trunk.describe()}")
+        err(f"trunk streaming from {args.trunk}: {prov.trunk.plan.describe(prov.trunk.n)}")
     else:
         err(f"resident trunk: {human(prov.resident_trunk_bytes)} in RAM (as stored: BF16/F32)")
     err(f"model tables: {'STREAMED (ultra-low-memory)' if prov.ultra else 'resident'}; loaded in {sess.load_seconds:.2f} s")
@@ -394,6 +394,9 @@ def main(argv=None) -> int:
         return args.fn(args)
     except K3Error as e:
         err(f"k3: {e}")
+        if e.exit_code == EXIT_READ:
+            err("RUN INVALID: a weight read failed, so no token from the failed step was produced; "
+                "nothing was written for it (no --out result).")
         return e.exit_code
     except KeyboardInterrupt:
         err("k3: interrupted.")

@@ -70,7 +70,7 @@ def layer_run_bytes(layout, i) -> int:
     return sum(layout.info(f"layers.{i}.{rel}").nbytes for rel in layer_specs(layout.cfg, i))
 
 
-def resolve_budgets(args, cfg, layout, slot_bytes: int, mem=None) -> Budgets:
+def resolve_budgets(args, cfg, layer_bytes: list[int], slot_bytes: int, mem=None) -> Budgets:
     events = list(args.budget_events or [])
     if not events:
         events = [("preset", "auto")]
@@ -78,7 +78,6 @@ def resolve_budgets(args, cfg, layout, slot_bytes: int, mem=None) -> Budgets:
     preset = "custom"
     ultra = bool(args.ultra_low_memory)
     notes = []
-    layer_bytes = [layer_run_bytes(layout, i) for i in range(layout.n_layers)]
     trunk_total = sum(layer_bytes)
     topk = cfg.num_experts_per_token
     cache_floor = max((topk + 1) * slot_bytes, min(int(0.5 * GB), cfg.num_experts * slot_bytes))
@@ -136,9 +135,11 @@ class Session:
     load_seconds: float = 0.0
 
 
-def build_plan(cfg, layout, budgets: Budgets, args, tokens: int, slot_bytes: int, n_slots: int):
+def build_plan(cfg, layout, budgets: Budgets, args, tokens: int, slot_bytes: int, n_slots: int,
+               layer_bytes: list[int]):
+    """layer_bytes: what the trunk will allocate per layer (the packed, 4096-rounded runs
+    when streaming)."""
     plan = planner.MemoryPlan(available=planner.meminfo()["MemAvailable"])
-    layer_bytes = [layer_run_bytes(layout, i) for i in range(layout.n_layers)]
     trunk_plan = None
     if budgets.trunk is not None:
         from .memory.trunk import plan_trunk
@@ -179,27 +180,54 @@ def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
     layout = CheckpointLayout(cfg, index, args.layers)
     layout.validate()
     slot = expert_slot_bytes(layout)
-    budgets = resolve_budgets(args, cfg, layout, slot)
+    packed = None
+    if args.trunk:
+        from .memory.trunk import PackedTrunk
+        packed = PackedTrunk.open(args.trunk, cfg, index)
+        layer_bytes = packed.layer_bytes[: layout.n_layers]
+    else:
+        layer_bytes = [layer_run_bytes(layout, i) for i in range(layout.n_layers)]
+    budgets = resolve_budgets(args, cfg, layer_bytes, slot)
     for n in budgets.notes:
         log(n)
     n_slots = expert_cache_slots(layout, budgets.cache)
     if budgets.preset != "custom":
         trunk_txt = f"trunk {budgets.trunk / GB:.2f} GB" if budgets.trunk is not None else "trunk resident (no --trunk)"
         log(f"  preset   : {budgets.preset} ({trunk_txt} / expert cache {budgets.cache / GB:.2f} GB)")
-    plan, trunk_plan = build_plan(cfg, layout, budgets, args, tokens, slot, n_slots)
+    plan, trunk_plan = build_plan(cfg, layout, budgets, args, tokens, slot, n_slots, layer_bytes)
     log(plan.render())
     plan.check()
     if trunk_plan is not None and trunk_plan.message:
         log(trunk_plan.message)
     t0 = time.perf_counter()
     order = "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
-    prov = StreamingWeights(cfg, model_dir, cache_budget=budgets.cache, trunk_dir=args.trunk,
+    faults = test_faults()
+    prov = StreamingWeights(cfg, model_dir, cache_budget=budgets.cache, trunk_dir=packed,
                             trunk_budget=budgets.trunk, ring=args.trunk_ring, pin_order=order,
                             ultra=budgets.ultra, n_layers=args.layers, io_threads=args.io_threads,
-                            trace=bool(args.dump_cache_trace), layout=layout, reader=ShardFiles())
+                            trace=bool(args.dump_cache_trace), layout=layout, reader=ShardFiles(),
+                            expert_reader=ShardFiles(hook=faults.get("experts")),
+                            trunk_reader=ShardFiles(hook=faults.get("trunk")))
     load = time.perf_counter() - t0
     model = Model(prov, n_layers=args.layers)
     return Session(cfg, model, prov, plan, budgets, trunk_plan, load)
+
+
+def test_faults() -> dict:
+    """Read failures injected for tests of the failure path, from K3_TEST_FAULT =
+    "KIND:TARGET[:after=N]" (KIND eio|eof|short, TARGET experts|trunk). Not for users."""
+    spec = os.environ.get("K3_TEST_FAULT")
+    if not spec:
+        return {}
+    from .checkpoint.io import FaultHook
+    parts = spec.split(":")
+    if len(parts) < 2 or parts[1] not in ("experts", "trunk"):
+        raise UsageError(f"K3_TEST_FAULT={spec!r}: expected KIND:experts|trunk[:after=N].")
+    after = 0
+    for p in parts[2:]:
+        if p.startswith("after="):
+            after = int(p[len("after="):])
+    return {parts[1]: FaultHook(parts[0], after=after)}
 
 
 class StepStats:

@@ -22,9 +22,11 @@ from .tables import StreamedEmbedding, StreamedRows
 
 class StreamingWeights:
     def __init__(self, cfg, model_dir, *, cache_budget: int, trunk_dir=None, trunk_budget: int | None = None,
+                 # trunk_dir: a packed-trunk folder or an opened PackedTrunk
                  ring: int = 2, pin_order: str = "largest", ultra: bool = False, n_layers: int | None = None,
                  io_threads: int = 4, trace: bool = False, layout: CheckpointLayout | None = None,
-                 reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None, progress=None):
+                 reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None,
+                 expert_reader: ShardFiles | None = None, progress=None):
         self.config = cfg
         if layout is None:  # the runner passes the layout it already validated
             layout = CheckpointLayout(cfg, CheckpointIndex.open(model_dir), n_layers)
@@ -58,7 +60,7 @@ class StreamingWeights:
         self._layers = None
         if trunk_dir is not None:
             from .trunk import PackedTrunk, TrunkStreamer
-            packed = PackedTrunk.open(trunk_dir, cfg, self.index)
+            packed = trunk_dir if isinstance(trunk_dir, PackedTrunk) else PackedTrunk.open(trunk_dir, cfg, self.index)
             self.trunk = TrunkStreamer(packed, trunk_budget, ring=ring, order=pin_order, io_threads=io_threads,
                                        reader=trunk_reader, n_layers=self.n_layers)
         else:
@@ -70,7 +72,8 @@ class StreamingWeights:
                     progress(i)
 
         # experts
-        self.cache = ExpertCache(self.layout, cache_budget, reader=self.reader, io_threads=io_threads, trace=trace)
+        self.cache = ExpertCache(self.layout, cache_budget, reader=expert_reader or self.reader,
+                                 io_threads=io_threads, trace=trace)
         self.max_experts_per_call = self.cache.max_experts_per_call
         self.load_seconds = time.perf_counter() - t0
 
