@@ -1,0 +1,586 @@
+"""`k3 doctor [MODEL]`: can this machine run the model, with which preset, how fast?
+
+Reports Python and dependency versions, cores and SIMD features, MemTotal /
+MemAvailable and the preset the memory planner recommends, free disk, a storage
+probe on the drive holding the model (k3.probe), the model folder's completeness
+(every shard the index names present with the size its header implies, config
+readable, tokenizer present, packed trunk present and current), the seconds per
+token to expect from the measured storage rates and the model's bytes per token, and
+the exact commands to run next.
+
+Exit status: 0 unless a problem blocks running at all (a required package missing,
+a shard missing or truncated, the config unreadable): then 1. Works without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
+
+GB = 1e9
+REQUIRED = ("torch", "numpy", "numba", "safetensors", "tiktoken", "rich")
+OPTIONAL = {"jinja2": "Jinja chat templates (Kimi-Linear chat)", "regex": "tokenizer parity tests",
+            "pexpect": "REPL tests", "huggingface_hub": "the `hf download` command"}
+TESTED_TORCH = "2.13.0"
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
+# The released K3, for estimates when no model folder is given (reference-engine 4.1).
+K3_TRUNK_BYTES = 108.81e9
+K3_EXPERT_BYTES_PER_TOKEN = 25.83e9
+K3_DOWNLOAD_BYTES = 1_560_936_091_448
+K3_REPO = "moonshotai/Kimi-K3"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}"
+        n /= 1000.0
+    return f"{n:.2f} TB"
+
+
+@dataclass
+class Report:
+    sections: list = field(default_factory=list)  # (title, [lines])
+    blocking: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    next_steps: list = field(default_factory=list)  # (command, why)
+    data: dict = field(default_factory=dict)
+
+    def section(self, title: str) -> list:
+        lines: list = []
+        self.sections.append((title, lines))
+        return lines
+
+    def render(self) -> str:
+        out = [f"k3 doctor (k3 {__version__})"]
+        for title, lines in self.sections:
+            out.append("")
+            out.append(title)
+            out += [f"  {ln}" for ln in lines]
+        out.append("")
+        if self.blocking or self.warnings:
+            out.append("problems")
+            out += [f"  BLOCKING: {m}" for m in self.blocking]
+            out += [f"  warning: {m}" for m in self.warnings]
+        else:
+            out.append("problems: none")
+        if self.next_steps:
+            out.append("")
+            out.append("next")
+            for cmd, why in self.next_steps:
+                out.append(f"  {cmd}")
+                if why:
+                    out.append(f"      # {why}")
+        return "\n".join(out)
+
+    def as_dict(self) -> dict:
+        return {"k3_version": __version__, "blocking": self.blocking, "warnings": self.warnings,
+                "next": [c for c, _ in self.next_steps], "sections": {t: ls for t, ls in self.sections},
+                **self.data}
+
+
+# ---------------------------------------------------------------- system
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version(name)
+    except PackageNotFoundError:
+        return None
+    except Exception:  # pragma: no cover
+        return None
+
+
+def check_python(rep: Report) -> None:
+    lines = rep.section("system")
+    lines.append(f"k3 {__version__}, Python {platform.python_version()} ({platform.python_implementation()}) "
+                 f"on {platform.platform()}")
+    if sys.version_info < (3, 11):
+        rep.blocking.append(f"Python {platform.python_version()} is too old: k3 needs Python 3.11 or newer.")
+    deps = []
+    versions = {}
+    for name in REQUIRED:
+        v = _version(name)
+        versions[name] = v
+        if v is None:
+            rep.blocking.append(f"the required package {name} is not installed (pip install -e . in the k3 folder "
+                                "installs everything).")
+            deps.append(f"{name} MISSING")
+        else:
+            deps.append(f"{name} {v}")
+    lines.append("required: " + ", ".join(deps))
+    opt = []
+    for name, why in OPTIONAL.items():
+        v = _version(name)
+        versions[name] = v
+        opt.append(f"{name} {v}" if v else f"{name} - ({why})")
+    lines.append("optional: " + ", ".join(opt))
+    tv = versions.get("torch")
+    if tv and tv.split("+")[0] != TESTED_TORCH:
+        rep.warnings.append(f"torch {tv} is installed; k3 is pinned to and tested with torch {TESTED_TORCH} "
+                            "(exactness is only checked there).")
+    if versions.get("jinja2") is None:
+        rep.warnings.append("jinja2 is not installed: `k3 chat` cannot render a Kimi-Linear chat template "
+                            "(K3's own format needs nothing). pip install jinja2.")
+    rep.data["versions"] = versions
+
+
+def _cpuinfo() -> dict:
+    info = {"model": platform.processor() or platform.machine(), "flags": set(), "physical": None}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    cores = set()
+    phys = core = None
+    for line in text.splitlines():
+        if ":" not in line:
+            if phys is not None or core is not None:
+                cores.add((phys, core))
+            phys = core = None
+            continue
+        k, v = (x.strip() for x in line.split(":", 1))
+        if k in ("model name", "Model", "cpu model") and info["model"] in ("", platform.machine(), platform.processor()):
+            info["model"] = v
+        elif k in ("flags", "Features"):
+            info["flags"].update(v.split())
+        elif k == "physical id":
+            phys = v
+        elif k == "core id":
+            core = v
+    if phys is not None or core is not None:
+        cores.add((phys, core))
+    info["physical"] = len(cores) or None
+    return info
+
+
+def check_cpu(rep: Report) -> None:
+    lines = rep.section("cpu")
+    info = _cpuinfo()
+    logical = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    phys = info["physical"]
+    lines.append(f"{info['model']}: {usable} CPUs usable of {logical} logical"
+                 + (f", {phys} physical cores" if phys else ""))
+    have = [f for f in SIMD_FLAGS if f in info["flags"]]
+    cap = None
+    try:
+        import torch
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover
+        pass
+    lines.append("SIMD: " + (" ".join(have) if have else "none reported")
+                 + (f" (torch kernels use {cap})" if cap else ""))
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64") and info["flags"] and "avx2" not in info["flags"]:
+        rep.warnings.append("this CPU has no AVX2: the BF16 and MXFP4 kernels run without vector units and "
+                            "decoding will be several times slower.")
+    rep.data["cpu"] = {"model": info["model"], "usable": usable, "logical": logical, "physical": phys,
+                       "simd": have, "torch_capability": cap}
+
+
+# ---------------------------------------------------------------- memory
+def check_memory(rep: Report) -> dict:
+    lines = rep.section("memory")
+    try:
+        from .memory import planner
+    except ImportError:  # pragma: no cover - planner not in this build
+        lines.append("the memory planner is not available in this build")
+        return {}
+    try:
+        mi = planner.meminfo()
+    except K3Error as e:
+        rep.warnings.append(str(e))
+        return {}
+    total, avail = mi["MemTotal"], mi["MemAvailable"]
+    lim = f", cgroup limit {human(mi['CgroupLimit'])}" if "CgroupLimit" in mi else ""
+    lines.append(f"MemTotal {human(total)}, MemAvailable {human(avail)}{lim}")
+    name = planner.recommend_preset(avail, total)
+    p = planner.PRESETS[name]
+    lines.append(f"recommended preset for K3: {name} (trunk {p.trunk_gb:g} GB / expert cache {p.cache_gb:g} GB) - "
+                 f"{p.note}")
+    if name == "ultra" and avail < 3.5 * GB:
+        rep.warnings.append(f"only {human(avail)} of memory is available; even --preset ultra plans ~3 GB for K3. "
+                            "Close other programs or use a machine with more memory.")
+    rep.data["memory"] = {"MemTotal": total, "MemAvailable": avail, "preset": name}
+    return {"total": total, "avail": avail, "preset": name, "planner": planner}
+
+
+# ---------------------------------------------------------------- model folder
+@dataclass
+class ModelFacts:
+    ok: bool = False
+    cfg: object = None
+    total_bytes: int = 0
+    trunk_bytes: int = 0
+    table_bytes: int = 0
+    expert_bytes_per_token: int = 0
+    largest_layer: int = 0
+    trunk_dir: Path | None = None
+    trunk_state: str = "absent"  # absent | current | stale | unchecked
+    shard_problems: list = field(default_factory=list)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
+
+
+def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
+    from .checkpoint.safetensors import INDEX_NAME, read_shard_header
+    from .config import load_config
+
+    facts = ModelFacts()
+    lines = rep.section(f"model {model}")
+    if not model.is_dir():
+        rep.blocking.append(f"{model} is not a folder. Give the folder that holds config.json and the *.safetensors "
+                            "shards.")
+        return facts
+    # config
+    try:
+        cfg = load_config(model)
+        facts.cfg = cfg
+        lines.append(cfg.summary())
+    except K3Error as e:
+        rep.blocking.append(f"config: {e}")
+        cfg = None
+    # shards named by the index (or all *.safetensors without one)
+    index_path = model / INDEX_NAME
+    weight_map: dict = {}
+    if index_path.is_file():
+        try:
+            doc = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = doc["weight_map"]
+            declared_total = (doc.get("metadata") or {}).get("total_size")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            rep.blocking.append(f"{index_path}: not a readable index ({e}); re-download it.")
+            return facts
+        shards = sorted(set(weight_map.values()))
+    else:
+        declared_total = None
+        shards = sorted(p.name for p in model.glob("*.safetensors"))
+        if not shards:
+            rep.blocking.append(f"{model}: no {INDEX_NAME} and no *.safetensors shards; the download is missing.")
+            return facts
+    missing, bad, tensors = [], [], {}
+    size_total = 0
+    for name in shards:
+        p = model / name
+        if not p.is_file():
+            missing.append(name)
+            continue
+        try:
+            h = read_shard_header(p)
+        except K3Error as e:
+            bad.append((name, str(e)))
+            continue
+        size_total += h.file_size
+        tensors.update(h.tensors)
+    text_missing = [n for n in missing if any(v == n and not k.startswith(("vision_tower.", "mm_projector."))
+                                              for k, v in weight_map.items())] if weight_map else missing
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        (rep.blocking if text_missing else rep.warnings).append(
+            f"{len(missing)} of {len(shards)} shards the index names are missing: {shown}. A partial download cannot "
+            "run the model; download them again.")
+    for name, msg in bad:
+        rep.blocking.append(f"shard {name}: {msg}")
+    facts.shard_problems = missing + [n for n, _ in bad]
+    present = len(shards) - len(missing) - len(bad)
+    lines.append(f"shards: {present} of {len(shards)} present and consistent with their headers "
+                 f"({human(size_total)})")
+    data_total = sum(t.nbytes for t in tensors.values())
+    if declared_total is not None and not missing and not bad and declared_total != data_total:
+        rep.warnings.append(f"the index says total_size {declared_total} bytes but the shards hold {data_total} "
+                            "bytes of tensors; the index and shards may come from different revisions.")
+    absent = [k for k, v in weight_map.items() if v not in missing and v not in dict(bad) and k not in tensors]
+    if absent:
+        rep.blocking.append(f"{len(absent)} tensors the index maps are not in their shard (e.g. {absent[0]}); "
+                            "a shard is from another revision. Download it again.")
+    facts.total_bytes = size_total
+    # sizes for the estimates
+    if cfg is not None and tensors:
+        per_layer: dict[int, int] = {}
+        expert0: dict[int, int] = {}
+        tables = 0
+        for name, t in tensors.items():
+            if name.startswith(("vision_tower.", "mm_projector.")):
+                continue
+            m = _EXPERT.search(name)
+            if m:
+                if m.group(2) == "0":
+                    expert0[int(m.group(1))] = expert0.get(int(m.group(1)), 0) + t.nbytes
+                continue
+            m = _LAYER.search(name)
+            if m:
+                per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.nbytes
+            else:
+                tables += t.nbytes
+        facts.trunk_bytes = sum(per_layer.values())
+        facts.table_bytes = tables
+        facts.largest_layer = max(per_layer.values(), default=0)
+        bundle = max(expert0.values(), default=0)
+        n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+        facts.expert_bytes_per_token = n_moe * cfg.num_experts_per_token * bundle
+        lines.append(f"per token: trunk {human(facts.trunk_bytes)} + routed experts {human(facts.expert_bytes_per_token)} "
+                     f"({n_moe} MoE layers x top-{cfg.num_experts_per_token} x {human(bundle)}); model tables "
+                     f"{human(tables)}")
+    # tokenizer and chat format
+    try:
+        from .tokenizer import Tokenizer
+        tok = Tokenizer(model)
+        fmt = "K3 XTML" if tok.has_special("<|open|>") and tok.has_special("<|end_of_msg|>") else None
+        tmpl = tok.chat_template()
+        chat = fmt or ("Jinja chat template" if tmpl else "none (k3 chat needs chat_template.jinja)")
+        lines.append(f"tokenizer: {tok.n_base} ranks + 256 specials; chat format: {chat}")
+        if fmt is None and tmpl is None:
+            rep.warnings.append("the folder has no chat template and no K3 XTML tokens: `k3 chat` cannot format "
+                                "a conversation (k3 run with a raw prompt works).")
+    except K3Error as e:
+        rep.warnings.append(f"tokenizer: {e} Text prompts and `k3 chat` need it; `k3 run --ids` does not.")
+    try:
+        from .sampling import generation_defaults
+        gen = generation_defaults(model)
+        lines.append("generation_config.json: " + (", ".join(f"{k} {v}" for k, v in gen.items()) if gen
+                                                  else "none (greedy decoding by default)"))
+    except K3Error as e:
+        rep.warnings.append(str(e))
+    # packed trunk
+    facts.trunk_dir = trunk if trunk is not None else model / "trunk"
+    if trunk is not None and not trunk.is_dir():
+        rep.warnings.append(f"--trunk {trunk}: no such folder.")
+    if facts.trunk_dir.is_dir() and (facts.trunk_dir / "trunk.json").is_file():
+        facts.trunk_state = _check_trunk(rep, facts.trunk_dir, cfg, model, bad or missing)
+        lines.append(f"packed trunk: {facts.trunk_dir} ({facts.trunk_state})")
+    else:
+        lines.append(f"packed trunk: none at {facts.trunk_dir}")
+    facts.ok = cfg is not None and not missing and not bad and not absent
+    return facts
+
+
+def _check_trunk(rep: Report, tdir: Path, cfg, model: Path, shards_broken) -> str:
+    if cfg is None or shards_broken:
+        return "unchecked (the model folder has problems)"
+    try:
+        from .checkpoint.safetensors import CheckpointIndex
+        from .memory.trunk import PackedTrunk
+    except ImportError:  # pragma: no cover - a build without trunk streaming
+        return "unchecked (no trunk support in this build)"
+    try:
+        PackedTrunk.open(tdir, cfg, CheckpointIndex.open(model))
+        return "current"
+    except K3Error as e:
+        rep.warnings.append(f"the packed trunk in {tdir} is stale: {e}")
+        return "stale"
+
+
+# ---------------------------------------------------------------- disk and storage
+def check_disk(rep: Report, where: Path, have_model: bool) -> None:
+    lines = rep.section("disk")
+    try:
+        du = shutil.disk_usage(where)
+    except OSError as e:
+        rep.warnings.append(f"{where}: cannot read the free space ({e.strerror}).")
+        return
+    from .probe import block_device
+    dev, rot = block_device(where)
+    kind = {True: "reported rotational", False: "solid state", None: "type unknown"}[rot]
+    lines.append(f"{where}: {human(du.free)} free of {human(du.total)} (device {dev}, {kind})")
+    if not have_model and du.free < K3_DOWNLOAD_BYTES * 1.02:
+        rep.warnings.append(f"{human(du.free)} free at {where}: the K3 download is {human(K3_DOWNLOAD_BYTES)} "
+                            "(and a packed trunk another 109 GB). Download to a bigger drive.")
+    rep.data["disk"] = {"path": str(where), "free": du.free, "total": du.total, "device": dev, "rotational": rot}
+
+
+def check_storage(rep: Report, where: Path, files, seconds: float, read_size: int, scratch_bytes: int = 512 << 20):
+    from .probe import probe_storage
+
+    lines = rep.section("storage probe")
+    try:
+        res = probe_storage(where, files, seconds=seconds, read_size=read_size, scratch_bytes=scratch_bytes)
+    except OSError as e:
+        rep.warnings.append(f"the storage probe failed at {where} ({e.strerror or e}).")
+        return None
+    src = "a scratch file" if res.scratch else f"{res.files} model shard{'s' if res.files != 1 else ''}"
+    mode = "O_DIRECT" if res.direct else "buffered"
+    lines.append(f"{mode} reads of {src} on {res.device}, {res.seconds:.1f} s, {human(res.bytes_read)} read")
+    if res.note:
+        lines.append(res.note)
+    if res.sequential:
+        lines.append("sequential 8 MiB: " + ", ".join(f"QD{q} {v:,.0f} MB/s" for q, v in res.sequential.items()))
+    if res.random:
+        lines.append(f"random {human(res.read_size)}: " + ", ".join(f"QD{q} {v:,.0f} MB/s" for q, v in res.random.items()))
+    rep.data["storage"] = res.as_dict()
+    if res.random and res.random_rate < 500e6:
+        rep.warnings.append(f"random expert-sized reads run at {res.random_rate / 1e6:,.0f} MB/s on {res.device}: a "
+                            "streamed K3 reads ~26 GB of experts per token, so expect minutes per token. An NVMe "
+                            "SSD reads 1-6 GB/s.")
+    return res if res.sequential else None
+
+
+# ---------------------------------------------------------------- estimate and next steps
+def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[str, bool]:
+    """Prints the expected s/token; returns (preset to suggest, runs resident?)."""
+    lines = rep.section("expected speed")
+    preset = mem.get("preset", "laptop")
+    avail = mem.get("avail")
+    if facts is not None and not facts.ok:
+        lines.append("the model folder has problems (below); no estimate until they are fixed")
+        return preset, False
+    if facts is not None and facts.cfg is not None and facts.total_bytes:
+        trunk, experts, tables = facts.trunk_bytes, facts.expert_bytes_per_token, facts.table_bytes
+        what = "this model"
+        if avail and facts.total_bytes + 2 * GB < 0.8 * avail:
+            lines.append(f"the whole model ({human(facts.total_bytes)}) fits in memory ({human(avail)} available): "
+                         "it runs resident, no preset or packed trunk needed, nothing is read per token.")
+            return preset, True
+    else:
+        trunk, experts, tables = K3_TRUNK_BYTES, K3_EXPERT_BYTES_PER_TOKEN, 4.70e9
+        what = "the released K3"
+    planner = mem.get("planner")
+    if planner is None:
+        lines.append("no memory information, no estimate")
+        return preset, False
+    p = planner.PRESETS[preset]
+    pinned = min(trunk, p.trunk_gb * GB)
+    if avail is not None:
+        try:
+            t_b, c_b, msg = planner.auto_budget(avail, mem["total"], int(trunk), int(tables),
+                                                int(facts.largest_layer if facts and facts.largest_layer else 2.5 * GB),
+                                                int(0.5 * GB))
+            lines.append(msg)
+        except K3Error as e:
+            lines.append(f"auto budget: {e}")
+    streamed = max(0.0, trunk - pinned)
+    per_token = streamed + experts
+    lines.append(f"{what} at preset {preset}: {human(pinned)} of the trunk pinned, per token {human(streamed)} "
+                 f"trunk streamed + {human(experts)} experts (no expert-cache hits assumed) = {human(per_token)} read")
+    if probe is None or not probe.seq_rate or not probe.random_rate:
+        lines.append("no storage measurement (run without --no-probe for a seconds-per-token estimate)")
+        return preset, False
+    s = streamed / probe.seq_rate + experts / probe.random_rate
+    lines.append(f"expect roughly {s:.1f} s/token from storage alone ({probe.seq_rate / 1e6:,.0f} MB/s sequential, "
+                 f"{probe.random_rate / 1e6:,.0f} MB/s random at QD4); compute and cache hits move it")
+    rep.data["estimate"] = {"preset": preset, "bytes_per_token": per_token, "seconds_per_token": s}
+    return preset, False
+
+
+def next_steps(rep: Report, model: Path | None, facts: ModelFacts | None, preset: str, resident: bool) -> None:
+    q = shlex.quote
+    if model is None:
+        rep.next_steps += [
+            ("k3 synth /tmp/k3-tiny && k3 chat /tmp/k3-tiny", "try k3 now on a small synthetic model"),
+            (f"hf download {K3_REPO} --local-dir DIR",
+             f"the released checkpoint, {human(K3_DOWNLOAD_BYTES)} (pip install huggingface_hub for `hf`)"),
+            ("k3 doctor DIR", "check the download and get the commands for this machine"),
+        ]
+        return
+    m = q(str(model))
+    if facts is None or not facts.ok:
+        if facts is not None and facts.shard_problems:
+            rep.next_steps.append((f"hf download REPO {' '.join(q(s) for s in facts.shard_problems[:8])}"
+                                   f"{' ...' if len(facts.shard_problems) > 8 else ''} --local-dir {m}",
+                                   "fetch the missing or damaged shards again (REPO: where the model came from)"))
+        rep.next_steps.append((f"k3 doctor {m}", "check again"))
+        return
+    if resident:
+        rep.next_steps += [(f"k3 run {m} --prompt 'The capital of France is' --gen 16 --incremental", "a first run"),
+                           (f"k3 chat {m}", "talk to it")]
+        return
+    tdir = facts.trunk_dir or (model / "trunk")
+    t = q(str(tdir))
+    if facts.trunk_state not in ("current",) and not facts.trunk_state.startswith("present"):
+        rep.next_steps.append((f"k3 pack-trunk {m} {t}", "pack the trunk once so presets can stream it"))
+    mem = f"--trunk {t} --preset {preset}"
+    rep.next_steps += [(f"k3 run {m} {mem} --prompt 'The capital of France is' --gen 8 --incremental",
+                        "a first run (prints the memory plan before allocating)"),
+                       (f"k3 chat {m} {mem}", "talk to it")]
+
+
+def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float = 8.0,
+               probe_dir=None, read_size: int | None = None, scratch_bytes: int = 512 << 20) -> Report:
+    rep = Report()
+    check_python(rep)
+    check_cpu(rep)
+    mem = check_memory(rep)
+    model_p = Path(model) if model is not None else None
+    facts = check_model(rep, model_p, Path(trunk) if trunk else None) if model_p is not None else None
+    where = Path(probe_dir) if probe_dir else (model_p if model_p is not None and model_p.is_dir() else Path.cwd())
+    check_disk(rep, where, model_p is not None and model_p.is_dir())
+    res = None
+    if probe:
+        shards = []
+        if model_p is not None and model_p.is_dir() and probe_dir is None:
+            shards = sorted(model_p.glob("*.safetensors"), key=lambda p: -p.stat().st_size)[:8]
+        size = read_size or 17_547_264
+        res = check_storage(rep, where, shards, probe_seconds, size, scratch_bytes)
+    preset, resident = estimate(rep, mem, facts, res)
+    next_steps(rep, model_p, facts, preset, resident)
+    return rep
+
+
+# ---------------------------------------------------------------- command
+def add_doctor_args(p) -> None:
+    p.add_argument("model", nargs="?", help="model folder to check (optional)")
+    p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
+    p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
+    p.add_argument("--probe-seconds", type=float, default=8.0, help="time for the storage probe (default 8)")
+    p.add_argument("--probe-dir", help="probe this folder's drive instead of the model's (a scratch file is "
+                   "written there and removed)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def cmd_doctor(args) -> int:
+    if args.probe_seconds <= 0:
+        raise UsageError(f"--probe-seconds must be > 0, got {args.probe_seconds}.")
+    if args.probe_dir and not Path(args.probe_dir).is_dir():
+        raise UsageError(f"--probe-dir {args.probe_dir}: not a folder.")
+    rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
+                     probe_dir=args.probe_dir)
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=1, default=str))
+    else:
+        print(rep.render())
+    sys.stdout.flush()
+    return EXIT_RUNTIME if rep.blocking else EXIT_OK
+
+
+def register(subparsers):
+    """Add `doctor` to an argparse subparsers object."""
+    p = subparsers.add_parser("doctor", help="check this machine (and a model folder): what runs, with which "
+                              "preset, how fast, and what to do next",
+                              description=(__doc__ or "").split("\n\n")[1] if __doc__ else None)
+    add_doctor_args(p)
+    p.set_defaults(fn=cmd_doctor)
+    return p
+
+
+def main(argv=None) -> int:
+    """`python -m k3.doctor [MODEL]` (the same as `k3 doctor`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="k3")
+    sub = parser.add_subparsers(dest="cmd")
+    register(sub)
+    try:
+        args = parser.parse_args(["doctor"] + list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else 2
+    try:
+        return args.fn(args)
+    except K3Error as e:
+        sys.stderr.write(f"k3: {e}\n")
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
