@@ -6,10 +6,14 @@ top of the carried KDA/conv state and MLA KV cache. The conversation is kept as 
 exact token sequence fed so far (`ChatSession.seq`), so the state after any turn is
 the state a re-prefill of that sequence would give, and so is every answer.
 
-Ctrl-C during an answer stops it and keeps the session usable: a forward pass cut
-short is undone (the state goes back to a snapshot taken before it), the partial
-answer is kept and closed with the format's closing tags. Ctrl-C during the prefill
-of a new message drops that message.
+Ctrl-C during an answer stops it and keeps the session usable. It takes effect at the
+next layer boundary (never inside an expert or trunk read; a second Ctrl-C stops at
+once); the forward pass it cuts short is undone (the state goes back to a snapshot
+taken before it), the partial answer is kept and closed with the format's closing
+tags. Ctrl-C while the new message is being read drops that message.
+
+The model is opened through k3.runner (presets, --trunk, --cache-gb, ...), and the
+memory plan includes a KV cache for --max-context positions.
 
 The conversation's messages are kept in a JSONL history file (one message object a
 line), rewritten atomically after every turn; pointing --history at an existing file
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -160,42 +166,48 @@ class ChatSession:
         snap0 = snap = snapshot(self.state)
         t0 = time.perf_counter()
         t_first = None
-        try:
-            while True:
-                snap = snapshot(self.state)
-                logits = self.model.forward(self.pending, self.state)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    res.prefill_seconds = t_first - t0
-                    if on_prefill_done is not None:
-                        on_prefill_done()
-                tok = int(sampler(logits.reshape(-1)))
-                self.seq.append(tok)
-                if tok in self.fmt.stop_ids:
-                    res.stop = "end"
-                    break
-                for ch, s in live.feed(tok):
-                    emit(ch, s)
-                if len(self.seq) - ans0 >= self.max_tokens:
-                    res.stop = "max_tokens"
-                    break
-                if len(self.seq) >= self.max_context:
-                    res.stop = "context"
-                    break
-        except KeyboardInterrupt:
-            # Wherever it landed, going back to the snapshot taken before the last
-            # forward pass is consistent: its ids are a prefix of seq, and whatever
-            # that pass had fed is pending again.
-            restore(self.state, snap)
-            res.stop = "interrupted"
-            if len(self.seq) == ans0:  # stopped while reading the new message: drop it
-                restore(self.state, snap0)
-                if saved is not None:
-                    self.state, self.seq = saved
-                else:
-                    del self.seq[turn_start:]
-                res.stop = "dropped"
-                return res
+        in_forward = False
+        with _InterruptAtLayerBoundary(self.model) as intr:
+            try:
+                while True:
+                    snap = snapshot(self.state)
+                    in_forward = True
+                    logits = self.model.forward(self.pending, self.state)
+                    in_forward = False
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                        res.prefill_seconds = t_first - t0
+                        if on_prefill_done is not None:
+                            on_prefill_done()
+                    tok = int(sampler(logits.reshape(-1)))
+                    self.seq.append(tok)
+                    if tok in self.fmt.stop_ids:
+                        res.stop = "end"
+                        break
+                    for ch, s in live.feed(tok):
+                        emit(ch, s)
+                    if len(self.seq) - ans0 >= self.max_tokens:
+                        res.stop = "max_tokens"
+                        break
+                    if len(self.seq) >= self.max_context:
+                        res.stop = "context"
+                        break
+                    intr.check()
+            except KeyboardInterrupt:
+                # A forward pass cut short (at a layer boundary, or anywhere on a second
+                # Ctrl-C) is undone: back to the snapshot taken before it, whose ids are
+                # a prefix of seq; whatever that pass was feeding is pending again.
+                if in_forward:
+                    restore(self.state, snap)
+                res.stop = "interrupted"
+                if len(self.seq) == ans0:  # stopped while reading the new message: drop it
+                    restore(self.state, snap0)
+                    if saved is not None:
+                        self.state, self.seq = saved
+                    else:
+                        del self.seq[turn_start:]
+                    res.stop = "dropped"
+                    return res
         res.decode_seconds = time.perf_counter() - (t_first or t0)
         for ch, s in live.flush():
             emit(ch, s)
@@ -220,6 +232,49 @@ class ChatSession:
         self.messages += new + [answer]
         self.turn += 1
         return res
+
+
+class _InterruptAtLayerBoundary:
+    """During a turn, Ctrl-C sets a flag instead of raising wherever the interpreter
+    happens to be (inside an expert read, a trunk prefetch...): the model raises
+    KeyboardInterrupt at the next layer boundary (through `model.on_layer`), the loop
+    between tokens. A second Ctrl-C raises at once. Only in the main thread (signal
+    handlers live there); elsewhere Ctrl-C keeps its default behaviour."""
+
+    def __init__(self, model):
+        self.model = model
+        self.count = 0
+        self.active = threading.current_thread() is threading.main_thread()
+
+    def _on_sigint(self, signum, frame):
+        self.count += 1
+        if self.count >= 2:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.count:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        self.prev_hook = self.model.on_layer
+        prev = self.prev_hook
+
+        def hook(i):
+            if prev is not None:
+                prev(i)
+            self.check()
+
+        self.model.on_layer = hook
+        self.prev_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            signal.signal(signal.SIGINT, self.prev_handler)
+            self.model.on_layer = self.prev_hook
+        return False
 
 
 # ====================================================================== history files
@@ -447,6 +502,8 @@ def add_chat_args(p) -> None:
     p.add_argument("--layers", type=int, help="run only the first N layers (NOT the full model; for testing)")
     p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
     add_sampling_args(p)
+    from .runner import add_budget_args
+    add_budget_args(p)
 
 
 def _set_threads(n: int | None) -> int:
@@ -465,12 +522,24 @@ def _set_threads(n: int | None) -> int:
     return n
 
 
-def _default_loader(args):
-    from .engine import load_model
-    return load_model(args.model, config_path=args.config, n_layers=args.layers)
+def _open_model(args, cfg):
+    """The budgeted model (presets, --trunk, ...) with the memory plan checked for
+    a KV cache of --max-context positions before anything large is allocated."""
+    from .runner import open_session
+
+    args.incremental = True  # the chat always carries state
+    try:
+        sess = open_session(args, cfg, args.model, args.max_context,
+                            log=lambda m="": print(m, file=sys.stderr, flush=True))
+    except K3Error as e:
+        if "REFUSING" in str(e):
+            raise K3Error(f"{e} For a chat, a smaller --max-context also helps: the plan holds the KV cache for "
+                          f"all {args.max_context} positions.", e.exit_code) from None
+        raise
+    return sess.model
 
 
-def cmd_chat(args, loader: Callable | None = None) -> int:
+def cmd_chat(args) -> int:
     from .chat_format import chat_format_for
     from .config import load_config
     from .sampling import settings_from_args
@@ -509,8 +578,12 @@ def cmd_chat(args, loader: Callable | None = None) -> int:
     if args.layers is not None:
         err.write(f"WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers "
                   "run. Output is NOT the full model.\n")
+    if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
+    if args.trunk_ring < 1 or args.io_threads < 1:
+        raise UsageError("--trunk-ring and --io-threads must be >= 1.")
     t0 = time.perf_counter()
-    model = (loader or _default_loader)(args)
+    model = _open_model(args, cfg)
     err.write(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s, {threads} threads\n")
     session = ChatSession(model, tok, fmt, system=system, sampling=sampling, max_context=args.max_context,
                           max_tokens=args.max_tokens)
@@ -544,10 +617,9 @@ def cmd_chat(args, loader: Callable | None = None) -> int:
     return repl(session, console, history_path, args.save_state)
 
 
-def register(subparsers, *, add_model_args: Callable | None = None, loader: Callable | None = None):
-    """Add `chat` to an argparse subparsers object. `add_model_args(parser)` may add
-    the memory flags (--preset, --trunk, ...) and `loader(args) -> Model` load the model
-    with them; by default the model is loaded resident with engine.load_model."""
+def register(subparsers):
+    """Add `chat` to an argparse subparsers object (with the memory flags of
+    k3.runner: --preset, --trunk-gb, --cache-gb, --trunk, ...)."""
     import argparse
 
     p = subparsers.add_parser(
@@ -555,9 +627,7 @@ def register(subparsers, *, add_model_args: Callable | None = None, loader: Call
         description="Interactive chat. Each turn reads only the new tokens on top of the carried KDA/KV state.",
         epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_chat_args(p)
-    if add_model_args is not None:
-        add_model_args(p)
-    p.set_defaults(fn=lambda args: cmd_chat(args, loader))
+    p.set_defaults(fn=cmd_chat)
     return p
 
 

@@ -158,6 +158,44 @@ def test_ctrl_c_mid_answer_and_during_prefill(k3):
     assert reprefill(model, s.seq[:res3.prompt_len], len(res3.tokens)) == res3.tokens
 
 
+def test_real_sigint_stops_at_a_layer_boundary(k3):
+    import signal
+
+    model, tok = k3
+    fmt = K3Format(tok)
+    s = ChatSession(model, tok, fmt, max_tokens=8)
+    s.send("First question")
+    layers = {"n": 0}
+
+    def send_sigint_at(n, times=1):
+        def hook(i):
+            layers["n"] += 1
+            if layers["n"] == n:
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
+        return hook
+
+    model.on_layer = send_sigint_at(3)  # inside the prefill of the next message
+    try:
+        before = list(s.seq)
+        res = s.send("dropped")
+        assert res.stop == "dropped" and s.seq == before
+        layers["n"] = 0
+        model.on_layer = send_sigint_at(model.n_layers * 3 + 2)  # inside the 4th forward
+        res = s.send("Second question")
+        assert res.stop == "interrupted" and len(res.tokens) == 3
+        layers["n"] = 0
+        model.on_layer = send_sigint_at(model.n_layers + 1, times=2)  # a second Ctrl-C raises at once
+        res = s.send("Third question")
+        assert res.stop == "interrupted" and len(res.tokens) == 1
+    finally:
+        model.on_layer = None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert s.state.ids == s.seq[:len(s.state.ids)]
+    res = s.send("Fourth question")
+    assert reprefill(model, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
+
+
 def test_context_limit(k3):
     model, tok = k3
     s = ChatSession(model, tok, K3Format(tok), max_tokens=4, max_context=300)
