@@ -75,7 +75,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout instead of text")
     p.add_argument("--list-presets", action="store_true", help="print the memory presets and exit")
     from .runner import add_budget_args
+    from .sampling import add_sampling_args
     add_budget_args(p)
+    add_sampling_args(p)
 
 
 def _read_prompt(args, model_dir) -> tuple[list[int], object]:
@@ -134,6 +136,9 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config or model_dir)
     err(cfg.summary())
     ids = check_ids(cfg, ids)
+    from .sampling import settings_from_args
+    sampling = settings_from_args(args, model_dir)
+    err(f"  {sampling.describe()}" if sampling is not None else "  sampling: greedy (argmax)")
     if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
         raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
     err(f"  model    : {model_dir}")
@@ -161,7 +166,8 @@ def cmd_run(args) -> int:
     stream = StreamDecoder(tok) if tok is not None and not args.json and not block_text else None
     progress = _LayerProgress(model, prov) if sys.stderr.isatty() else None
     try:
-        for s in generate(model, ids, args.gen, incremental=args.incremental):
+        sampler = sampling.sampler() if sampling is not None else None
+        for s in generate(model, ids, args.gen, incremental=args.incremental, sampler=sampler):
             if progress is not None:
                 progress.clear()
             steps.append(s)
@@ -185,6 +191,8 @@ def cmd_run(args) -> int:
         print(tok.decode(gen_ids), flush=True)
         err("----------------------")
     result = _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start)
+    result["sampling"] = ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                           "seed": sampling.seed} if sampling is not None else "greedy")
     if args.out:
         _write_json_atomic(args.out, result)
         err(f"wrote {args.out}")
@@ -367,7 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_synth)
     pr = sub.add_parser("presets", help="print the memory presets (trunk / expert-cache GB)")
     pr.set_defaults(fn=cmd_presets)
-    from .memory import cache_sim
+    from . import chat, doctor
+    from .memory import cache_sim, trunk
+    trunk.register(sub)
+    chat.register(sub)
+    doctor.register(sub)
     cache_sim.register(sub)
     d = sub.add_parser("demo", help="generate a small synthetic checkpoint once and run on it")
     d.add_argument("--preset", default="small", help="synthetic preset (default small)")

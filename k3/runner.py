@@ -118,6 +118,8 @@ def resolve_budgets(args, cfg, layer_bytes: list[int], slot_bytes: int, mem=None
     if ultra and not args.trunk:
         raise UsageError("--ultra-low-memory (and --preset ultra) stream the trunk too, so they need --trunk DIR "
                          "(a packed trunk: k3 pack-trunk MODEL OUT).")
+    if not args.trunk and any(k == "trunk_gb" for k, _ in events):
+        notes.append("note: --trunk-gb has no effect without --trunk (the trunk is held in RAM)")
     if args.trunk and trunk is None:
         trunk, _, msg = auto()
         notes.append(msg)
