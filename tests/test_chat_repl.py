@@ -71,7 +71,7 @@ def scripted(session, ids):
 
 def test_complete_answer_is_kept_canonically(k3):
     model, tok = k3
-    fmt = K3Format(tok)
+    fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(model, tok, fmt, max_tokens=100)
     answer = render_k3([{"role": "assistant", "reasoning_content": "Let me think.", "content": "Hi!"}],
                        add_generation_prompt=False, preamble=False)
@@ -92,7 +92,7 @@ def test_complete_answer_is_kept_canonically(k3):
 
 def test_cut_answers_are_closed_and_the_session_goes_on(k3):
     model, tok = k3
-    fmt = K3Format(tok)
+    fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(model, tok, fmt, max_tokens=5)
     res = s.send("Tell me a long story")
     assert res.stop == "max_tokens" and len(res.tokens) == 5
@@ -135,7 +135,7 @@ def _interrupt_at(model, forward_no, layer=2):
 
 def test_ctrl_c_mid_answer_and_during_prefill(k3):
     model, tok = k3
-    fmt = K3Format(tok)
+    fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(model, tok, fmt, max_tokens=8)
     s.send("First question")
     before_seq, before_ids = list(s.seq), list(s.state.ids)
@@ -162,7 +162,7 @@ def test_real_sigint_stops_at_a_layer_boundary(k3):
     import signal
 
     model, tok = k3
-    fmt = K3Format(tok)
+    fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(model, tok, fmt, max_tokens=8)
     s.send("First question")
     layers = {"n": 0}
@@ -198,15 +198,15 @@ def test_real_sigint_stops_at_a_layer_boundary(k3):
 
 def test_context_limit(k3):
     model, tok = k3
-    s = ChatSession(model, tok, K3Format(tok), max_tokens=4, max_context=300)
+    s = ChatSession(model, tok, K3Format(tok, thinking_effort=None), max_tokens=4, max_context=120)
     s.send("hi")
     used = len(s.seq)
-    with pytest.raises(UsageError, match="context limit is 300"):
-        s.send("a much longer message " * 40)
+    with pytest.raises(UsageError, match="context limit is 120"):
+        s.send("a much longer message " * 30)
     assert len(s.messages) == 2 and len(s.seq) == used
     s.max_tokens = 1000
     res = s.send("ok")
-    assert res.stop == "context" and res.prompt_len + len(res.tokens) == 300
+    assert res.stop == "context" and res.prompt_len + len(res.tokens) == 120
 
 
 def test_seeded_chat_is_reproducible(k3):
@@ -221,7 +221,7 @@ def test_seeded_chat_is_reproducible(k3):
 
 def test_history_and_state_resume(k3, tmp_path):
     model, tok = k3
-    fmt = K3Format(tok)
+    fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(model, tok, fmt, system="sys", max_tokens=5)
     s.send("one")
     s.send("two")
