@@ -201,6 +201,32 @@ def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch
     assert not (out / "trunk.bin.partial").exists() and not (out / "trunk.progress.json").exists()
 
 
+def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_path, monkeypatch):
+    m, _, cfg, ix = small
+    out = tmp_path / "t"
+    real_sync = T._fsync_dir
+    n = []
+
+    def sync(d):
+        n.append(d)
+        if len(n) == 2:  # the one right after trunk.bin.partial -> trunk.bin
+            raise KeyboardInterrupt
+        real_sync(d)
+
+    monkeypatch.setattr(T, "_fsync_dir", sync)
+    with pytest.raises(KeyboardInterrupt):
+        pack_trunk(m, out, progress=False)
+    monkeypatch.setattr(T, "_fsync_dir", real_sync)
+    assert (out / "trunk.bin").exists() and not (out / "trunk.json").exists()
+    _refused(lambda: PackedTrunk.open(out, cfg, ix), "interrupted")
+    calls = []
+    real = T._copy_layer
+    monkeypatch.setattr(T, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    pack_trunk(m, out, progress=False)
+    assert calls == []
+    PackedTrunk.open(out, cfg, ix)
+
+
 def test_partial_with_foreign_progress_restarts(small, tmp_path, monkeypatch):
     m, t, cfg, ix = small
     out = tmp_path / "t"
@@ -465,8 +491,14 @@ def test_streamer_prefetches_ahead(small, small_ref):
                 time.sleep(0.03)  # compute
                 s.release_layer(i)
         st_ = s.stats()
+        lines = s.report()
+        desc = s.plan.describe(pt.n_layers)
     assert st_["hits"] >= 2 * pt.n_layers - 3
     assert st_["overlap_seconds"] > 0.5 * st_["device_seconds"]
+    assert lines[0] == f"trunk [final]: pinned {len(s.plan.pinned)}/{pt.n_layers} layers, ring 2 slots"
+    assert lines[1].startswith(f"  binds {2 * pt.n_layers}, hits {st_['hits']} (")
+    assert "overlapped compute" in lines[3]
+    assert "ring 2 slots" in desc and "LARGEST FIRST" in desc
 
 
 def test_streamer_subset_of_layers(small, small_ref):

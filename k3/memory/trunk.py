@@ -582,7 +582,6 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     d = str(out)
     jpath, bpath = os.path.join(d, TRUNK_JSON), os.path.join(d, TRUNK_BIN)
     ppath, prpath = os.path.join(d, PARTIAL), os.path.join(d, PROGRESS)
-    mode = None if progress is None else progress
     say_early = (lambda m: None) if progress is False else (progress if callable(progress) else
                                                             (lambda m: print(m, file=sys.stderr, flush=True)))
 
@@ -602,6 +601,8 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     # From here on the directory must not look complete.
     _unlink(jpath)
     _fsync_dir(d)
+    if os.path.isfile(bpath) and not os.path.exists(ppath) and os.path.isfile(prpath) and not restart:
+        os.replace(bpath, ppath)  # killed between the rename and trunk.json: finish that pack
     _unlink(bpath)
 
     start = 0
@@ -633,7 +634,7 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     w = _Writer(ppath, resume_at)
     rbufs = [aligned_empty(COPY_CHUNK + 2 * ALIGN) for _ in range(2)]
     wbuf = aligned_empty(COPY_CHUNK)
-    prog = _Progress(mode if progress is not False else (lambda m: None), len(layers), total,
+    prog = _Progress(progress if progress is not False else (lambda m: None), len(layers), total,
                      resume_at or 0, start)
     t0 = time.perf_counter()
     try:
@@ -662,6 +663,10 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
             finally:
                 os.close(rfd)
         w.sync()
+    except OSError as e:  # writing or re-reading the output (reads of the shards raise ReadError)
+        raise K3Error(
+            f"pack-trunk: writing the packed trunk in {d} failed: {e.strerror or e}. The layers packed so far "
+            "are kept; fix the cause (disk space, permissions) and re-run the same command to resume.") from None
     finally:
         w.close()
         reader.close()
@@ -1132,6 +1137,23 @@ class TrunkStreamer:
                 "layer_reads": list(self._layer_reads),
                 "direct": self.reader.direct_active(self.packed.path),
             }
+
+    def report(self) -> list[str]:
+        """The C engine's `trunk [final]` statistics block, as lines."""
+        st = self.stats()
+        b = st["binds"]
+        dev, wait = st["device_seconds"], st["wait_seconds"]
+        lines = [
+            f"trunk [final]: pinned {st['pinned']}/{st['n_layers']} layers, ring {st['ring_slots']} slot"
+            f"{'s' if st['ring_slots'] != 1 else ''}",
+            f"  binds {b}, hits {st['hits']} ({100.0 * st['hits'] / b if b else 0.0:.1f}%), reads {st['reads']}",
+            f"  read {st['bytes_read'] / 1e9:.2f} GB in {dev:.2f} s ({st['device_gbps'] * 1000:.0f} MB/s)",
+        ]
+        if dev > 0:
+            hidden = max(0.0, dev - wait)
+            lines.append(f"  waited {wait:.2f} s for reads; {hidden:.2f} s ({100.0 * hidden / dev:.0f}%) of device "
+                         "time overlapped compute on the reader thread")
+        return lines
 
     def close(self) -> None:
         with self._cond:
