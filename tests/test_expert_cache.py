@@ -285,6 +285,43 @@ def test_failed_read_not_published_and_retry_reads_right(lay, truth, kind):
         assert c.stats()["evictions"] == 0 and c.resident_count == 6
 
 
+def test_interrupt_while_reading_returns_every_reserved_slot(lay, truth):
+    """Ctrl-C while the batch's reads are in flight: nothing is published, every slot
+    reserved for the batch goes back to EMPTY (no capacity lost), and the next call
+    reads correctly."""
+    import threading
+
+    gate = threading.Event()
+
+    def slow_hook(path, offset, nbytes, direct):
+        gate.wait(5)  # hold the I/O threads until the main thread has been interrupted
+        return None
+
+    with ShardFiles(hook=slow_hook) as r, cache(lay, 6, reader=r, io_threads=4) as c:
+        import concurrent.futures as cf
+
+        real_result = cf.Future.result
+        calls = {"n": 0}
+
+        def interrupted(self, timeout=None):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                gate.set()
+                raise KeyboardInterrupt
+            return real_result(self, timeout)
+
+        cf.Future.result = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                c.experts(0, [1, 2, 3])
+        finally:
+            cf.Future.result = real_result
+        assert c.resident_count == 0
+        r.hook = None
+        check(c.experts(0, [1, 2, 3, 4, 5]), truth)  # 5 of 6 slots: none was lost
+        assert c.stats()["evictions"] == 0
+
+
 def test_short_reads_are_survived(lay, truth):
     with ShardFiles(hook=FaultHook("short", short_bytes=100)) as r, cache(lay, 8, reader=r) as c:
         for g in range(0, 24, 6):

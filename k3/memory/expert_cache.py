@@ -473,12 +473,31 @@ class ExpertCache:
         jobs = [(loc, self._reserve(layer, call_ids)) for loc in locs]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset))
         t0 = time.perf_counter()
-        if self.io_threads == 1 or len(jobs) == 1:
-            results = [self._read_job(j) for j in jobs]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="k3-expert-io")
-            results = list(self._pool.map(self._read_job, jobs))
+        futures = []
+        try:
+            if self.io_threads == 1 or len(jobs) == 1:
+                results = [self._read_job(j) for j in jobs]
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="k3-expert-io")
+                futures = [self._pool.submit(self._read_job, j) for j in jobs]
+                results = [f.result() for f in futures]
+        except BaseException:
+            # Interrupted (Ctrl-C) before publishing: let reads still running finish into
+            # their slots, then hand every reserved slot back as EMPTY, so no capacity is
+            # lost and no slot is written while someone else owns it.
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except BaseException:
+                        pass
+            for _, slot in jobs:
+                self._key_of[slot] = None
+                self._empty.append(slot)
+            raise
         dt = time.perf_counter() - t0
         run, step = self._run, self._step
         failed = []
