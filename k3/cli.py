@@ -74,6 +74,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout instead of text")
     p.add_argument("--list-presets", action="store_true", help="print the memory presets and exit")
+    p.add_argument("--save-state", metavar="PATH",
+                   help="after the run, write the carried state (ids, KDA/conv state, MLA KV) here (needs --incremental)")
+    p.add_argument("--load-state", metavar="PATH",
+                   help="resume from a state file; the prompt is appended to its sequence (needs --incremental)")
     from .runner import add_budget_args
     from .sampling import add_sampling_args
     add_budget_args(p)
@@ -128,6 +132,8 @@ def cmd_run(args) -> int:
         raise UsageError(f"--trunk-ring must be >= 1, got {args.trunk_ring}.")
     if args.io_threads < 1:
         raise UsageError(f"--io-threads must be >= 1, got {args.io_threads}.")
+    if (args.save_state or args.load_state) and not args.incremental:
+        raise UsageError("--save-state/--load-state carry the incremental state: add --incremental.")
     threads = set_threads(args.threads)
     model_dir = args.model
     if not Path(model_dir).is_dir():
@@ -147,7 +153,14 @@ def cmd_run(args) -> int:
     if args.layers is not None:
         err(f"  WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers run. "
             "Output is NOT the full model.")
-    sess = open_session(args, cfg, model_dir, len(ids) + args.gen + 1, log=err)
+    loaded = None
+    if args.load_state:
+        from .state import load_state
+        loaded = load_state(args.load_state, cfg, max_positions=None, n_layers=args.layers)
+        err(f"resuming from {args.load_state}: {len(loaded.tokens)} prior positions, {len(ids)} new")
+    prior_tokens = list(loaded.tokens) if loaded is not None else []  # before the run extends the state
+    prior = len(prior_tokens)
+    sess = open_session(args, cfg, model_dir, prior + len(ids) + args.gen + 1, log=err)
     prov, model = sess.provider, sess.model
     if prov.trunk is not None:
         err(f"trunk streaming from {args.trunk}: {prov.trunk.plan.describe(prov.trunk.n)}")
@@ -167,7 +180,9 @@ def cmd_run(args) -> int:
     progress = _LayerProgress(model, prov) if sys.stderr.isatty() else None
     try:
         sampler = sampling.sampler() if sampling is not None else None
-        for s in generate(model, ids, args.gen, incremental=args.incremental, sampler=sampler):
+        state = loaded.state if loaded is not None else (model.new_state() if args.incremental else None)
+        feed = (loaded.pending + ids) if loaded is not None else ids
+        for s in generate(model, feed, args.gen, incremental=args.incremental, sampler=sampler, state=state):
             if progress is not None:
                 progress.clear()
             steps.append(s)
@@ -191,8 +206,17 @@ def cmd_run(args) -> int:
         print(tok.decode(gen_ids), flush=True)
         err("----------------------")
     result = _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start)
+    if loaded is not None:
+        result["prior_ids"] = prior_tokens
+        result["full_ids"] = prior_tokens + ids + gen_ids
     result["sampling"] = ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                            "seed": sampling.seed} if sampling is not None else "greedy")
+    if args.save_state:
+        from .state import save_state
+        pending = gen_ids[-1:] if gen_ids else list(feed)  # not fed yet: the last token (or, with --gen 0, the prompt)
+        n = save_state(args.save_state, state, cfg, pending=pending)
+        err(f"wrote {args.save_state} ({human(n)}, {len(state.ids) + len(pending)} positions)")
+        result["state_file"] = args.save_state
     if args.out:
         _write_json_atomic(args.out, result)
         err(f"wrote {args.out}")
@@ -272,6 +296,7 @@ def _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start) 
         "prompt_ids": ids,
         "generated_ids": gen_ids,
         "full_ids": ids + gen_ids,
+        "prior_ids": None,
         "generated_text": tok.decode(gen_ids) if tok is not None else None,
         "mode": "incremental" if args.incremental else "full_recompute",
         "layers_requested": args.layers if args.layers is not None else cfg.num_hidden_layers,

@@ -233,3 +233,17 @@ def test_plan_refuses_when_it_cannot_fit(small, tmp_path):
             os.rmdir(grp)
         except OSError:
             pass
+
+
+def test_cli_save_and_load_state_continues_like_one_run(small, tmp_path):
+    d, trunk = small
+    s, a, b, c = (tmp_path / n for n in ("s.k3state", "a.json", "b.json", "c.json"))
+    base = ["--incremental", "--greedy", "--trunk", trunk, "--trunk-gb", "0.05", "--cache-gb", "0.01"]
+    assert k3("run", d, "--ids", "5,6,7,8", "--gen", 3, "--save-state", s, "--out", a, *base).returncode == 0
+    first = json.loads(a.read_text())["full_ids"]
+    assert k3("run", d, "--ids", "9,10", "--gen", 3, "--load-state", s, "--out", b, *base).returncode == 0
+    whole = first + [9, 10]
+    assert k3("run", d, "--ids", ",".join(map(str, whole)), "--gen", 3, "--out", c, *base).returncode == 0
+    assert json.loads(b.read_text())["full_ids"] == json.loads(c.read_text())["full_ids"]
+    r = k3("run", d, "--ids", "9", "--gen", 1, "--load-state", s)
+    assert r.returncode == 2 and "--incremental" in r.stderr
