@@ -919,6 +919,7 @@ class TrunkStreamer:
                        for _ in range(self.plan.ring_slots)]
         self._in_slot: dict[int, _Buf] = {}  # unpinned layer -> slot holding it (READING or READY)
         self._errors: dict[int, BaseException] = {}
+        self._fatal: BaseException | None = None
         self._cursor = 0
         self._closed = False
         self._cond = threading.Condition()
@@ -979,7 +980,13 @@ class TrunkStreamer:
                 if b.state != _EMPTY:
                     continue
                 if b.buf is None:
-                    b.buf = aligned_empty(b.size)
+                    try:
+                        b.buf = aligned_empty(b.size)
+                    except MemoryError:
+                        self._errors[j] = K3Error(
+                            f"trunk: cannot allocate {_gb(b.size)} GB to pin layer {j}; the machine has less "
+                            "free memory than the trunk budget assumed. Lower --trunk-gb.")
+                        continue
             else:
                 if j in self._in_slot:
                     continue
@@ -994,6 +1001,14 @@ class TrunkStreamer:
         return None
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # pragma: no cover - a bug: make layer() raise, never hang
+            with self._cond:
+                self._fatal = e
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         cond = self._cond
         while True:
             with cond:
@@ -1083,6 +1098,8 @@ class TrunkStreamer:
                             break
                         if self._closed:
                             raise K3Error("the trunk streamer was closed while a layer was awaited")
+                        if self._fatal is not None:
+                            raise K3Error(f"the trunk reader thread failed: {self._fatal!r}") from self._fatal
                         if b is None:
                             self._check_progress(i)
                         cond.wait(0.5)
