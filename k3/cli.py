@@ -323,7 +323,6 @@ def _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start) 
 
 
 def _write_logits(path, logits) -> None:
-    import numpy as np
 
     data = logits.detach().to("cpu").float().numpy().astype("<f4").tobytes()
     _atomic_write_bytes(path, data)

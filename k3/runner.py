@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .errors import K3Error, UsageError
+from .errors import UsageError
 from .memory import planner
 from .memory.planner import GB, PRESETS, human
 from .model.schema import layer_specs

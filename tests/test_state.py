@@ -3,7 +3,6 @@ atomic write, and in-memory snapshots (undoing an interrupted forward pass)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch

@@ -21,7 +21,7 @@ from k3.checkpoint.safetensors import CheckpointIndex
 from k3.config import load_config
 from k3.errors import EXIT_CHECKPOINT, EXIT_READ, EXIT_RUNTIME, CheckpointError, K3Error, ReadError
 from k3.memory import trunk as T
-from k3.memory.resident import CheckpointLayout, ResidentWeights
+from k3.memory.resident import CheckpointLayout
 from k3.memory.trunk import PackedTrunk, TrunkStreamer, min_budget_for, pack_trunk, plan_trunk
 from k3.model.schema import layer_specs
 from k3.model.stack import Model

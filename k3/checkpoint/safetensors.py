@@ -20,7 +20,6 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, NoReturn
 
 from k3.errors import CheckpointError

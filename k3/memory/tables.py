@@ -5,7 +5,6 @@ to the resident tables (each logit row is computed on its own either way)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..checkpoint.io import TORCH_DTYPES, ShardFiles
