@@ -131,7 +131,8 @@ def metrics(d: dict) -> dict:
     # whole-run trunk bytes splits evenly over the steps.
     tb = d.get("trunk_bytes_read") or 0
     pinned_b = tr.get("pinned_bytes", 0) or 0
-    streamed = max(0, tb - pinned_b) if tr.get("layer_reads") else tb
+    # Resident trunk (no streamer stats): trunk_bytes_read is the one-off load, not decode.
+    streamed = max(0, tb - pinned_b) if tr.get("layer_reads") else 0
     trunk_dec = streamed * (len(dec) / n) if n > 1 else streamed
     exp_dec = sum(s.get("expert_bytes_read", 0) for s in steps[1:]) if n > 1 else d.get("expert_bytes_read", 0)
     dec_s = sum(dec)
