@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import EXIT_OK, K3Error, UsageError
+from .fsutil import atomic_write_bytes
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_CONTEXT = 8192
@@ -301,21 +302,8 @@ def read_history(path) -> list[dict]:
 
 
 def write_jsonl_atomic(path, messages: Sequence[dict]) -> None:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     data = "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in messages).encode("utf-8")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise K3Error(f"{path}: could not write the conversation ({e.strerror}).") from None
+    atomic_write_bytes(path, data, what="the conversation")
 
 
 def default_history_path() -> Path:

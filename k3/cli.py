@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .fsutil import atomic_write_bytes, atomic_write_json
 from .memory.planner import human, peak_rss_bytes
 from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error, UsageError
 
@@ -218,7 +219,7 @@ def cmd_run(args) -> int:
         err(f"wrote {args.save_state} ({human(n)}, {len(state.ids) + len(pending)} positions)")
         result["state_file"] = args.save_state
     if args.out:
-        _write_json_atomic(args.out, result)
+        atomic_write_json(args.out, result, what="the run result")
         err(f"wrote {args.out}")
     if args.dump_cache_trace:
         prov.cache.dump_trace(args.dump_cache_trace)
@@ -323,30 +324,7 @@ def _report(args, cfg, sess, ids, gen_ids, steps, stats, tok, threads, t_start) 
 
 
 def _write_logits(path, logits) -> None:
-
-    data = logits.detach().to("cpu").float().numpy().astype("<f4").tobytes()
-    _atomic_write_bytes(path, data)
-
-
-def _atomic_write_bytes(path, data: bytes) -> None:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise K3Error(f"{path}: could not write the file ({e.strerror}).", EXIT_RUNTIME) from None
-
-
-def _write_json_atomic(path, obj) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+    atomic_write_bytes(path, logits.detach().to("cpu").float().numpy().astype("<f4").tobytes(), what="the logits")
 
 
 def cmd_presets(args) -> int:

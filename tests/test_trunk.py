@@ -204,7 +204,7 @@ def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch
 def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_path, monkeypatch):
     m, _, cfg, ix = small
     out = tmp_path / "t"
-    real_sync = T._fsync_dir
+    real_sync = T.fsync_dir
     n = []
 
     def sync(d):
@@ -213,10 +213,10 @@ def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_pat
             raise KeyboardInterrupt
         real_sync(d)
 
-    monkeypatch.setattr(T, "_fsync_dir", sync)
+    monkeypatch.setattr(T, "fsync_dir", sync)
     with pytest.raises(KeyboardInterrupt):
         pack_trunk(m, out, progress=False)
-    monkeypatch.setattr(T, "_fsync_dir", real_sync)
+    monkeypatch.setattr(T, "fsync_dir", real_sync)
     assert (out / "trunk.bin").exists() and not (out / "trunk.json").exists()
     _refused(lambda: PackedTrunk.open(out, cfg, ix), "interrupted")
     calls = []

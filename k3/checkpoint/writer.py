@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from ..fsutil import fsync_dir
 from .safetensors import DTYPE_SIZES, INDEX_NAME
 
 __all__ = ["write_checkpoint", "write_safetensors", "TORCH_TO_ST", "NUMPY_TO_ST"]
@@ -123,19 +124,6 @@ def _header_bytes(entries: Sequence[_Entry], metadata: dict[str, str] | None) ->
     raw = json.dumps(hdr, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * ((-len(raw)) % 8)  # pad so that the data section starts 8-aligned
     return len(raw).to_bytes(8, "little") + raw
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _atomic_write(path: Path, write_body, fsync: bool) -> None:
@@ -253,5 +241,5 @@ def write_checkpoint(
         raw = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
         _atomic_write(out / INDEX_NAME, lambda f: f.write(raw), fsync)
     if fsync:
-        _fsync_dir(str(out))
+        fsync_dir(str(out))
     return paths

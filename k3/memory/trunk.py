@@ -64,6 +64,7 @@ import torch
 from ..checkpoint.io import ALIGN, TORCH_DTYPES, ShardFiles, aligned_empty
 from ..checkpoint.safetensors import CheckpointIndex
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
+from ..fsutil import fsync_dir
 from ..model.schema import alog_ok, layer_specs
 from .resident import CheckpointLayout
 
@@ -463,19 +464,6 @@ class _Progress:
             self.bar = None
 
 
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: str, obj) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -600,7 +588,7 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
             pass
     # From here on the directory must not look complete.
     _unlink(jpath)
-    _fsync_dir(d)
+    fsync_dir(d)
     if os.path.isfile(bpath) and not os.path.exists(ppath) and os.path.isfile(prpath) and not restart:
         os.replace(bpath, ppath)  # killed between the rename and trunk.json: finish that pack
     _unlink(bpath)
@@ -674,9 +662,9 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     for entry, s in zip(doc["layers"], samples):
         entry["sample"] = s
     os.replace(ppath, bpath)
-    _fsync_dir(d)
+    fsync_dir(d)
     _write_json_atomic(jpath, doc)
-    _fsync_dir(d)
+    fsync_dir(d)
     _unlink(prpath)
     dt = time.perf_counter() - t0
     copied = total - (resume_at or 0)
