@@ -161,8 +161,16 @@ def build_plan(cfg, layout, budgets: Budgets, args, tokens: int, slot_bytes: int
     plan.add("recurrent state", planner.recurrent_state_bytes(cfg, layout.n_layers),
              "KDA conv + recurrent state, fp32")
     if args.incremental:
-        plan.add("KV cache", tokens * planner.kv_bytes_per_position(cfg, layout.n_layers),
-                 f"{tokens} positions x {human(planner.kv_bytes_per_position(cfg, layout.n_layers))}")
+        per = planner.kv_bytes_per_position(cfg, layout.n_layers)
+        kv = tokens * per
+        if kv > 0.9 * plan.available:
+            raise UsageError(
+                f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(plan.available)} "
+                f"is available. This is a memory limit, not a bug: --incremental keeps, for each of the "
+                f"{sum(1 for i in range(layout.n_layers) if cfg.is_mla(i))} MLA layers, the expanded fp32 keys and "
+                f"values of every position ({human(per)} per position). Shorten the prompt or --gen, or drop "
+                "--incremental (full recompute needs no KV cache).")
+        plan.add("KV cache", kv, f"{tokens} positions x {human(per)}")
     plan.add("buffers", planner.activation_bytes(cfg, tokens), "activations, scratch, logits")
     # the peak so far, not just the current RSS: compiling a kernel (a fresh install)
     # peaks well above what it leaves resident

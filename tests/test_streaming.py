@@ -247,3 +247,27 @@ def test_cli_save_and_load_state_continues_like_one_run(small, tmp_path):
     assert json.loads(b.read_text())["full_ids"] == json.loads(c.read_text())["full_ids"]
     r = k3("run", d, "--ids", "9", "--gen", 1, "--load-state", s)
     assert r.returncode == 2 and "--incremental" in r.stderr
+
+
+def test_kv_refusal_names_both_numbers(ckpt, monkeypatch):
+    """With --incremental, a KV cache above 90% of available memory is refused before
+    anything is allocated, with what it needs and what there is."""
+    import argparse
+
+    from k3.errors import UsageError
+    from k3.memory import planner
+    from k3.runner import Budgets, build_plan
+
+    d, _ = ckpt
+    sizes, lay = layer_sizes(d)
+    per = planner.kv_bytes_per_position(lay.cfg)
+    monkeypatch.setattr(planner, "meminfo", lambda: {"MemAvailable": 1000 * per, "MemTotal": 2000 * per})
+    args = argparse.Namespace(incremental=True, trunk_ring=2)
+    budgets = Budgets(None, 10**6, "custom", False)
+    with pytest.raises(UsageError) as e:
+        build_plan(lay.cfg, lay, budgets, args, 5000, 1, 1, sizes)
+    msg = str(e.value)
+    assert "KV cache for 5000 positions" in msg and planner.human(5000 * per) in msg
+    assert planner.human(1000 * per) in msg and e.value.exit_code == 2
+    plan, _ = build_plan(lay.cfg, lay, budgets, args, 100, 1, 1, sizes)  # fits: no refusal
+    assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 100 * per
