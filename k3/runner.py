@@ -83,10 +83,13 @@ def resolve_budgets(args, cfg, layer_bytes: list[int], slot_bytes: int, mem=None
     cache_floor = max((topk + 1) * slot_bytes, min(int(0.5 * GB), cfg.num_experts * slot_bytes))
 
     def auto():
+        from .memory.trunk import min_budget_for
         m = mem or planner.meminfo()
+        order = "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
+        overlap = min_budget_for(layer_bytes, 2, order) if len(layer_bytes) > 1 else None
         return planner.auto_budget(m["MemAvailable"], m["MemTotal"], trunk_total,
                                    planner.embed_head_bytes(cfg) if not ultra else 0,
-                                   max(layer_bytes), cache_floor)
+                                   max(layer_bytes), cache_floor, overlap)
 
     for kind, value in events:
         if kind == "preset":
