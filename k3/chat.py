@@ -494,22 +494,6 @@ def add_chat_args(p) -> None:
     add_budget_args(p)
 
 
-def _set_threads(n: int | None) -> int:
-    import torch
-
-    if n is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if n < 1:
-        raise UsageError(f"--threads must be >= 1, got {n}.")
-    torch.set_num_threads(n)
-    try:
-        from .quant import set_num_threads
-        set_num_threads(n)
-    except ImportError:
-        pass
-    return n
-
-
 def _open_model(args, cfg):
     """The budgeted model (presets, --trunk, ...) with the memory plan checked for
     a KV cache of --max-context positions before anything large is allocated."""
@@ -531,6 +515,7 @@ def cmd_chat(args) -> int:
     from .chat_format import chat_format_for
     from .config import load_config
     from .sampling import settings_from_args
+    from .runner import set_threads
     from .tokenizer import Tokenizer
 
     err = sys.stderr
@@ -546,7 +531,7 @@ def cmd_chat(args) -> int:
             raise UsageError(f"{args.system_file}: cannot read the system prompt ({e}).") from None
     if not 1 <= args.max_tokens <= 1_000_000:
         raise UsageError(f"--max-tokens must be in 1..1000000, got {args.max_tokens}.")
-    threads = _set_threads(args.threads)
+    threads = set_threads(args.threads)
     cfg = load_config(args.config or args.model)
     tok = Tokenizer(args.model)
     fmt = chat_format_for(tok, cfg, thinking=not args.no_think, thinking_effort=args.thinking_effort,
@@ -620,24 +605,10 @@ def register(subparsers):
 
 
 def main(argv=None) -> int:
-    """`python -m k3.chat MODEL ...` (the same as `k3 chat`)."""
-    import argparse
+    """`python -m k3.chat ...` is `k3 chat ...`."""
+    from .cli import main as k3_main
 
-    parser = argparse.ArgumentParser(prog="k3")
-    sub = parser.add_subparsers(dest="cmd")
-    register(sub)
-    try:
-        args = parser.parse_args(["chat"] + list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else 2
-    try:
-        return args.fn(args)
-    except K3Error as e:
-        sys.stderr.write(f"k3: {e}\n")
-        return e.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("k3: interrupted.\n")
-        return 130
+    return k3_main(["chat", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

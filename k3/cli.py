@@ -33,22 +33,6 @@ def err(msg: str = "") -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def set_threads(n: int | None) -> int:
-    import torch
-
-    if n is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if n < 1:
-        raise UsageError(f"--threads must be >= 1, got {n}.")
-    torch.set_num_threads(n)
-    try:
-        from .quant import set_num_threads
-        set_num_threads(n)
-    except ImportError:  # kernels module without a thread setter
-        pass
-    return n
-
-
 def parse_ids(text: str) -> list[int]:
     parts = [p for p in text.replace(",", " ").split() if p]
     try:
@@ -135,6 +119,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--io-threads must be >= 1, got {args.io_threads}.")
     if (args.save_state or args.load_state) and not args.incremental:
         raise UsageError("--save-state/--load-state carry the incremental state: add --incremental.")
+    from .runner import set_threads
     threads = set_threads(args.threads)
     model_dir = args.model
     if not Path(model_dir).is_dir():

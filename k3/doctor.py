@@ -565,21 +565,10 @@ def register(subparsers):
 
 
 def main(argv=None) -> int:
-    """`python -m k3.doctor [MODEL]` (the same as `k3 doctor`)."""
-    import argparse
+    """`python -m k3.doctor ...` is `k3 doctor ...`."""
+    from .cli import main as k3_main
 
-    parser = argparse.ArgumentParser(prog="k3")
-    sub = parser.add_subparsers(dest="cmd")
-    register(sub)
-    try:
-        args = parser.parse_args(["doctor"] + list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else 2
-    try:
-        return args.fn(args)
-    except K3Error as e:
-        sys.stderr.write(f"k3: {e}\n")
-        return e.exit_code
+    return k3_main(["doctor", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

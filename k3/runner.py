@@ -230,6 +230,20 @@ def open_session(args, cfg, model_dir, tokens: int, log=print) -> Session:
     return Session(cfg, model, prov, plan, budgets, trunk_plan, load)
 
 
+def set_threads(n: int | None) -> int:
+    """Compute threads for torch and the numba kernels (default: every usable core)."""
+    import torch
+
+    from .quant import set_num_threads
+    if n is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}.")
+    torch.set_num_threads(n)
+    set_num_threads(n)
+    return n
+
+
 def warm_kernels() -> None:
     """Run each numba kernel once on tiny inputs (loads it from the cache, or compiles it
     on a fresh install): their code then counts in the RSS the plan measures."""

@@ -1009,19 +1009,10 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m k3.synth OUT ...` (the same as `k3 synth`)."""
-    import argparse
+    """`python -m k3.synth ...` is `k3 synth ...`."""
+    from .cli import main as k3_main
 
-    from .errors import K3Error
-
-    p = argparse.ArgumentParser(prog="k3 synth", description="write a synthetic checkpoint in the release format")
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except K3Error as e:
-        print(f"k3: {e}", file=sys.stderr)
-        return e.exit_code
+    return k3_main(["synth", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

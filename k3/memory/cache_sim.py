@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..errors import K3Error, UsageError
+from ..errors import UsageError
 
 __all__ = ["DEFAULT_GB", "DEFAULT_SLOT_MB", "cmd_cache_sim", "load_trace", "main", "register",
            "simulate", "table"]
@@ -223,18 +223,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """`k3 cache-sim` on its own (for tests): returns the exit code."""
-    p = argparse.ArgumentParser(prog="k3 cache-sim")
-    add_args(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else 2
-    try:
-        return cmd_cache_sim(args)
-    except K3Error as e:
-        print(f"k3: {e}", file=sys.stderr)
-        return e.exit_code
+    """`python -m k3.memory.cache_sim ...` is `k3 cache-sim ...`."""
+    from ..cli import main as k3_main
+
+    return k3_main(["cache-sim", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

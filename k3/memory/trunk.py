@@ -1218,21 +1218,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """`python -m k3.memory.trunk MODEL OUT` (the same as `k3 pack-trunk`)."""
-    p = argparse.ArgumentParser(prog="k3 pack-trunk", description="pack the dense trunk for streaming")
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else 2
-    try:
-        return run(args)
-    except K3Error as e:
-        print(f"k3: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("k3: interrupted; re-run the same command to resume.", file=sys.stderr)
-        return 130
+    """`python -m k3.memory.trunk ...` is `k3 pack-trunk ...`."""
+    from ..cli import main as k3_main
+
+    return k3_main(["pack-trunk", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover
