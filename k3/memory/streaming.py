@@ -21,8 +21,10 @@ from .tables import StreamedEmbedding, StreamedRows
 
 
 class StreamingWeights:
+    """`trunk_dir`: a packed-trunk folder or an opened PackedTrunk (None: trunk held in
+    RAM, read from the shards); `cache_budget`: bytes for the expert arena."""
+
     def __init__(self, cfg, model_dir, *, cache_budget: int, trunk_dir=None, trunk_budget: int | None = None,
-                 # trunk_dir: a packed-trunk folder or an opened PackedTrunk
                  ring: int = 2, pin_order: str = "largest", ultra: bool = False, n_layers: int | None = None,
                  io_threads: int = 4, trace: bool = False, layout: CheckpointLayout | None = None,
                  reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None,
@@ -37,7 +39,6 @@ class StreamingWeights:
         self.reader = reader if reader is not None else ShardFiles()
         self.ultra = ultra
         self.bytes_read = 0
-        self.table_bytes_read = 0
         t0 = time.perf_counter()
 
         # model tables
