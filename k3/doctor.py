@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
+from .memory.planner import human
 
 GB = 1e9
 REQUIRED = ("torch", "numpy", "numba", "safetensors", "tiktoken", "rich")
@@ -39,14 +40,6 @@ K3_TRUNK_BYTES = 108.81e9
 K3_EXPERT_BYTES_PER_TOKEN = 25.83e9
 K3_DOWNLOAD_BYTES = 1_560_936_091_448
 K3_REPO = "moonshotai/Kimi-K3"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.2f} {unit}"
-        n /= 1000.0
-    return f"{n:.2f} TB"
 
 
 @dataclass

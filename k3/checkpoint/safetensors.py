@@ -132,7 +132,8 @@ def _pairs_hook(pairs: list[tuple[str, object]]) -> dict:
     return d
 
 
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+def pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to n bytes at offset (fewer only at end of file), continuing after short reads."""
     chunks = []
     got = 0
     while got < n:
@@ -171,7 +172,7 @@ def read_shard_header(path: str | os.PathLike) -> ShardHeader:
     try:
         try:
             file_size = os.fstat(fd).st_size
-            prefix = _pread_exact(fd, 8, 0)
+            prefix = pread_exact(fd, 8, 0)
             if len(prefix) < 8:
                 raise _bad(
                     apath,
@@ -192,7 +193,7 @@ def read_shard_header(path: str | os.PathLike) -> ShardHeader:
                     f"{file_size - 8} bytes after the prefix (file size {file_size}), so the "
                     f"header is larger than the file",
                 )
-            raw = _pread_exact(fd, hlen, 8)
+            raw = pread_exact(fd, hlen, 8)
         except OSError as e:
             raise CheckpointError(
                 f"Reading the header of checkpoint file {apath} failed: {e.strerror or e}. "

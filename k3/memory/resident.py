@@ -117,6 +117,27 @@ class CheckpointLayout:
                 "shards, or point --config at the config this checkpoint was written with.")
 
 
+def read_weight(layout, reader, rel: str, kind: str) -> torch.Tensor:
+    """One tensor as stored (O_DIRECT for large ones); small vectors widened to fp32."""
+    t = load_tensor(layout.info(rel), reader, direct=True)
+    return t.to(torch.float32) if kind in ("vector", "alog") else t
+
+
+def read_trunk_layers(layout, reader, progress=None) -> list[dict]:
+    """Every layer's non-expert tensors, in RAM, keyed by relative name."""
+    layers = []
+    for i in range(layout.n_layers):
+        layers.append({rel: read_weight(layout, reader, f"layers.{i}.{rel}", sp.kind)
+                       for rel, sp in layer_specs(layout.cfg, i).items()})
+        if progress is not None:
+            progress(i)
+    return layers
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class ResidentWeights:
     """WeightProvider that holds every trunk tensor in RAM (read once at load)."""
 
@@ -130,28 +151,18 @@ class ResidentWeights:
         self.n_layers = self.layout.n_layers
         self._lock = threading.Lock()
         self.bytes_read = 0
-        self.read_seconds = 0.0
         t0 = time.perf_counter()
         self._globals = {rel: self._load(rel, sp.kind) for rel, sp in global_specs(cfg).items()}
         if cfg.tie_word_embeddings:
             self._globals["lm_head.weight"] = self._globals["embed_tokens.weight"]
-        self._layers = []
-        for i in range(self.n_layers):
-            self._layers.append({rel: self._load(f"layers.{i}.{rel}", sp.kind)
-                                 for rel, sp in layer_specs(cfg, i).items()})
-            if progress is not None:
-                progress(i)
+        self._layers = read_trunk_layers(self.layout, self.reader, progress)
+        self.bytes_read += tensor_bytes(t for layer in self._layers for t in layer.values())
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, rel: str, kind: str) -> torch.Tensor:
-        ti = self.layout.info(rel)
-        t0 = time.perf_counter()
-        t = load_tensor(ti, self.reader, direct=True)
-        self.read_seconds += time.perf_counter() - t0
-        self.bytes_read += ti.nbytes
-        if kind in ("vector", "alog"):
-            t = t.to(torch.float32)
+        t = read_weight(self.layout, self.reader, rel, kind)
+        self.bytes_read += self.layout.info(rel).nbytes
         return t
 
     # ---- WeightProvider ----
@@ -188,6 +199,4 @@ class ResidentWeights:
 
     @property
     def resident_bytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in self._globals.values())
-        n += sum(t.numel() * t.element_size() for layer in self._layers for t in layer.values())
-        return n
+        return tensor_bytes(list(self._globals.values()) + [t for layer in self._layers for t in layer.values()])

@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from ..checkpoint.io import ShardFiles, load_tensor
+from ..checkpoint.io import ShardFiles
 from ..checkpoint.safetensors import CheckpointIndex
-from ..model.schema import global_specs, layer_specs
+from ..model.schema import global_specs
 from .expert_cache import ExpertCache
-from .resident import CheckpointLayout
+from .resident import CheckpointLayout, read_trunk_layers, read_weight, tensor_bytes
 from .tables import StreamedEmbedding, StreamedRows
 
 
@@ -65,12 +65,8 @@ class StreamingWeights:
             self.trunk = TrunkStreamer(packed, trunk_budget, ring=ring, order=pin_order, io_threads=io_threads,
                                        reader=trunk_reader, n_layers=self.n_layers)
         else:
-            self._layers = []
-            for i in range(self.n_layers):
-                self._layers.append({rel: self._load(f"layers.{i}.{rel}", sp.kind)
-                                     for rel, sp in layer_specs(cfg, i).items()})
-                if progress is not None:
-                    progress(i)
+            self._layers = read_trunk_layers(self.layout, self.reader, progress)
+            self.bytes_read += self.resident_trunk_bytes
 
         # experts
         self.cache = ExpertCache(self.layout, cache_budget, reader=expert_reader or self.reader,
@@ -79,10 +75,8 @@ class StreamingWeights:
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, rel, kind):
-        ti = self.layout.info(rel)
-        t = load_tensor(ti, self.reader, direct=True)
-        self.bytes_read += ti.nbytes
-        return t.to(torch.float32) if kind in ("vector", "alog") else t
+        self.bytes_read += self.layout.info(rel).nbytes
+        return read_weight(self.layout, self.reader, rel, kind)
 
     # ---- WeightProvider ----
     def global_weight(self, name):
@@ -110,7 +104,7 @@ class StreamingWeights:
     def resident_trunk_bytes(self) -> int:
         if self._layers is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self._layers for t in layer.values())
+        return tensor_bytes(t for layer in self._layers for t in layer.values())
 
     def table_bytes(self) -> int:
         if self.ultra:

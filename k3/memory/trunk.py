@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.io import ALIGN, TORCH_DTYPES, ShardFiles, aligned_empty
-from ..checkpoint.safetensors import CheckpointIndex
+from ..checkpoint.safetensors import CheckpointIndex, pread_exact
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
 from ..fsutil import fsync_dir
 from ..model.schema import alog_ok, layer_specs
@@ -220,23 +220,12 @@ def _sample_offsets(run_nbytes: int) -> list[int]:
     return sorted({last * k // (SAMPLE_COUNT - 1) for k in range(SAMPLE_COUNT)})
 
 
-def _pread_all(fd: int, n: int, off: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        b = os.pread(fd, n - got, off + got)
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
-
-
 def _sample_hash(fd: int, base: int, run_nbytes: int) -> str:
     """SHA-256 of the sample blocks of a run that starts at ``base`` in the open file."""
     h = hashlib.sha256()
     blk = min(SAMPLE_BLOCK, run_nbytes)
     for o in _sample_offsets(run_nbytes):
-        h.update(_pread_all(fd, blk, base + o))
+        h.update(pread_exact(fd, blk, base + o))
     return h.hexdigest()
 
 
