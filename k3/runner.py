@@ -150,9 +150,9 @@ def build_plan(cfg, layout, budgets: Budgets, args, tokens: int, slot_bytes: int
         from .memory.trunk import plan_trunk
         order = "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
         trunk_plan = plan_trunk(layer_bytes, budgets.trunk, ring=args.trunk_ring, order=order)
-        plan.add("trunk (STREAMED)", trunk_plan.pinned_bytes + trunk_plan.ring_slots * trunk_plan.slot_bytes,
-                 f"{len(trunk_plan.pinned)}/{len(layer_bytes)} layers pinned + {trunk_plan.ring_slots} ring slot(s) "
-                 f"of {human(trunk_plan.slot_bytes)}")
+        plan.add("trunk (STREAMED)", trunk_plan.used_bytes,
+                 f"{len(trunk_plan.pinned)}/{len(layer_bytes)} layers pinned + a {human(trunk_plan.arena_bytes)} ring "
+                 f"({trunk_plan.ring_slots} slot(s) of {human(trunk_plan.slot_bytes)})")
     else:
         plan.add("trunk (resident)", sum(layer_bytes), "every layer held in RAM, as stored")
     if budgets.ultra:

@@ -33,13 +33,18 @@ unless ``force``.
 **Planning** (:func:`plan_trunk`, pure): which layers stay pinned in RAM and how many
 uniform ring slots stream the rest, within a byte budget. See its docstring.
 
-**Streaming** (:class:`TrunkStreamer`): ``layer(i)`` returns layer i's tensors as views
-into a pinned buffer or a ring slot; a reader thread prefetches the next unpinned layers
-in the forward walk (wrapping to layer 0 for the next token) into free slots, each layer
-read as aligned ``O_DIRECT`` chunks by a small thread pool (``pread`` releases the GIL,
-so the chunks are in flight together and the device sees a queue depth of
-``io_threads``). A slot being read, held by the caller, or holding a layer the walk
-needs within the next ``ring`` unpinned layers is never overwritten.
+**Streaming** (:class:`TrunkStreamer`): pinned layers live in their own buffers; every
+other budget byte is one ring *arena* (at least ``ring`` slots of the largest unpinned
+layer). A scheduler thread places the unpinned layers into the arena one after another
+in forward-walk order (wrapping to layer 0 for the next token; a layer that meets the
+arena's end is split there at a tensor boundary) and issues aligned ``O_DIRECT`` chunk
+reads to a small thread pool (``pread`` releases the GIL, so ``io_threads`` chunks are
+in flight at once, across layer boundaries). ``layer(i)`` hands over a mapping at once;
+looking a tensor up waits only for the chunks under it, so compute follows the reads
+tensor by tensor, and reads of the next layer start in whatever arena bytes the current
+one leaves free. Bytes of a layer being read, not yet used, or held by the caller are
+never overwritten; a released layer's bytes are reused as a hit if the walk comes back
+before they are taken.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -673,11 +679,12 @@ class TrunkPlan:
     message: str | None = None
     order: str = "largest"
     budget_bytes: int = 0
+    arena_bytes: int = 0  # the ring's memory: every budget byte not pinned (>= ring_slots x slot_bytes)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of buffers this plan allocates: pinned layers + ring slots."""
-        return self.pinned_bytes + self.ring_slots * self.slot_bytes
+        """Bytes of buffers this plan allocates: pinned layers + the ring arena."""
+        return self.pinned_bytes + self.arena_bytes
 
     @property
     def streamed_bytes(self) -> int:
@@ -689,9 +696,11 @@ class TrunkPlan:
         if not self.ring_slots:
             return f"trunk: all {len(self.pinned)} layers pinned ({_gb(self.pinned_bytes)} GB), no ring"
         how = "LARGEST FIRST" if self.order == "largest" else "as a PREFIX"
+        spare = self.arena_bytes - self.ring_slots * self.slot_bytes
+        extra = f" + {_gb(spare)} GB of read-ahead" if spare >= ALIGN else ""
         return (f"trunk: pinned {len(self.pinned)}/{n} layers {how} ({_gb(self.pinned_bytes)} GB), ring "
                 f"{self.ring_slots} slot{'s' if self.ring_slots != 1 else ''} x {_gb(self.slot_bytes)} GB (sized to "
-                f"the largest UNPINNED layer); {_gb(self.streamed_bytes)} GB read per token")
+                f"the largest UNPINNED layer){extra}; {_gb(self.streamed_bytes)} GB read per token")
 
 
 def _order(a: list[int], order: str) -> list[int]:
@@ -841,37 +850,107 @@ def plan_trunk(layer_bytes: list[int], budget_bytes: int, ring: int = 2, order: 
         if k == 1:
             x = min_budget_for(a, 2, order)
             msg = (f"ring held at 1 slot: a second slot needs {_gb_up(x)} GB and the trunk budget is {_gb(B)} GB, "
-                   f"so reads are NOT overlapped with compute. Raise --trunk-gb above {_gb_up(x)} GB to enable it.")
+                   f"so the next layer is read ahead only into the {_gb(max(0, B - pinned_bytes - slot))} GB beside "
+                   f"that slot while a layer computes (compute still overlaps the reading of its own layer, tensor "
+                   f"by tensor). Raise --trunk-gb above {_gb_up(x)} GB to enable it.")
         else:
             x = min_budget_for(a, ring, order)
             msg = (f"ring held at {k} slots: {ring} slots need {_gb_up(x)} GB and the trunk budget is {_gb(B)} GB. "
                    f"Raise --trunk-gb above {_gb_up(x)} GB to enable them.")
-    return TrunkPlan(sorted(pinned), k, slot, pinned_bytes, total, msg, order, B)
+    arena = max(k * slot, (B - pinned_bytes) // ALIGN * ALIGN)
+    return TrunkPlan(sorted(pinned), k, slot, pinned_bytes, total, msg, order, B, arena)
 
 
 # =========================================================================== streaming
-_EMPTY, _READING, _READY = 0, 1, 2
+class _Inst:
+    """One read of one layer: where its bytes live, which chunks have arrived, who holds it.
 
+    ``parts`` maps the layer's run onto memory: ``(lo, hi, pos)`` says run bytes
+    ``[lo, hi)`` live at ``buf[pos : pos + hi - lo]``. A ring layer has one part, or two
+    when it wraps round the arena's end (split at a tensor boundary, so every tensor
+    stays contiguous; the two parts may share one 4 KiB page, read into both).
+    ``chunks`` are the read requests, in run order; run bytes ``[0, ready_to)`` are
+    readable once every chunk before them has arrived."""
 
-class _Buf:
-    __slots__ = ("buf", "size", "layer", "state", "refs", "views")
+    __slots__ = ("layer", "pinned", "buf", "parts", "chunks", "done", "prefix", "ready_to", "submitted",
+                 "inflight", "error", "refs", "views", "dropped", "t0")
 
-    def __init__(self, buf, size: int):
-        self.buf = buf  # aligned uint8 array or None (pinned: allocated on first read)
-        self.size = size
-        self.layer = None
-        self.state = _EMPTY
+    def __init__(self, layer: int, pinned: bool, buf: np.ndarray, parts, chunk_bytes: int):
+        self.layer = layer
+        self.pinned = pinned
+        self.buf = buf
+        self.parts = parts
+        self.chunks = [(o, min(o + chunk_bytes, hi), pos + o - lo)
+                       for lo, hi, pos in parts for o in range(lo, hi, chunk_bytes)]
+        self.done = [False] * len(self.chunks)
+        self.prefix = 0  # chunks[:prefix] have all arrived
+        self.ready_to = 0
+        self.submitted = 0
+        self.inflight = 0
+        self.error: BaseException | None = None
         self.refs = 0
-        self.views = None
+        self.views: dict[str, torch.Tensor] = {}
+        self.dropped = False  # cancelled or failed: its memory is free once nothing is in flight
+        self.t0 = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.prefix == len(self.chunks)
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """Arena byte ranges [a, b) this layer occupies (none for a pinned buffer)."""
+        return [] if self.pinned else [(pos, pos + hi - lo) for lo, hi, pos in self.parts]
+
+
+def _overlaps(r: list[tuple[int, int]], s: list[tuple[int, int]]) -> bool:
+    return any(a < d and c < b for a, b in r for c, d in s)
+
+
+class _LayerView(Mapping):
+    """Layer i's tensors by name, handed out before the layer has arrived: looking one up
+    waits until the bytes it spans are read (compute on the first tensors overlaps the
+    reading of the rest). Valid until ``release_layer(i)``."""
+
+    __slots__ = ("_s", "_inst", "_specs")
+
+    def __init__(self, streamer: "TrunkStreamer", inst: _Inst, specs: dict):
+        self._s, self._inst, self._specs = streamer, inst, specs
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._inst.views.get(name)
+        if v is None:
+            t = self._specs[name]  # KeyError for an unknown name, as a dict would
+            v = self._s._view(self._inst, name, t)
+        return v
+
+    def __iter__(self):
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
 
 
 class TrunkStreamer:
     """Layer tensors from a packed trunk within ``budget_bytes`` (see the module docstring).
 
-    ``layer(i)`` blocks until layer i is resident and returns its tensors as views
-    into the buffer: they are valid until ``release_layer(i)`` (a ring slot is reused
-    afterwards; pinned layers stay). Reads run on one scheduler thread plus a pool of
-    ``io_threads`` chunk readers. ``n_layers`` limits the walk to the first layers
+    Memory: the pinned layers (one buffer each, read on first use and kept) and one
+    ring *arena* of everything else the budget allows (at least ``plan.ring_slots``
+    slots of the largest unpinned layer). A scheduler thread walks the layers in forward
+    order from the caller's position (wrapping to layer 0 for the next token), places
+    each unpinned layer in the arena right after the previous one (wrapping round its
+    end at a tensor boundary) and issues its reads as ``chunk_bytes`` O_DIRECT requests,
+    ``io_threads`` in flight at once across layer boundaries, so the device never waits
+    for a layer's last chunk before starting the next. It reads ahead as far as the
+    arena allows: bytes of a layer being read, or handed to the caller and not yet
+    released, are never overwritten.
+
+    ``layer(i)`` returns at once with a mapping whose lookups wait for the tensor's
+    bytes, so compute starts on a layer's first tensors while its last ones are still
+    on their way: even a one-slot ring overlaps reads with compute inside a layer, and
+    spare arena bytes beyond one layer let the next layer's reads start before the
+    current one is released. Tensors are views into the buffers, valid until
+    ``release_layer(i)``. ``n_layers`` limits the walk to the first layers
     (``--layers``). Not for concurrent callers: one forward at a time."""
 
     def __init__(self, packed: PackedTrunk, budget_bytes: int, ring: int = 2, order: str = "largest",
@@ -891,96 +970,133 @@ class TrunkStreamer:
         self._own_reader = reader is None
         self.reader = reader if reader is not None else ShardFiles()
         self._pinned = set(self.plan.pinned)
-        self._pin: dict[int, _Buf] = {i: _Buf(None, packed.layers[i].nbytes) for i in self.plan.pinned}
-        self._slots = [_Buf(aligned_empty(self.plan.slot_bytes), self.plan.slot_bytes)
-                       for _ in range(self.plan.ring_slots)]
-        self._in_slot: dict[int, _Buf] = {}  # unpinned layer -> slot holding it (READING or READY)
-        self._errors: dict[int, BaseException] = {}
+        self._arena_bytes = self.plan.arena_bytes
+        self._arena = aligned_empty(self._arena_bytes) if self._arena_bytes else None
+        # (off, end) of each layer's tensors in run order: where a wrap may split it
+        self._bounds = [sorted((t.off, t.off + t.nbytes) for t in packed.layers[i].tensors.values())
+                        for i in range(self.n)]
+        self._pin: dict[int, _Inst] = {}  # pinned layer -> its (complete or in-flight) read
+        self._live: dict[int, _Inst] = {}  # ring layer -> instance scheduled for the walk
+        self._cache: dict[int, _Inst] = {}  # released ring layers whose bytes are still intact
+        self._dropped: list[_Inst] = []  # cancelled/failed, waiting for reads in flight
+        self._head = 0  # arena offset after the latest placement
+        self._next = 0  # next layer the scheduler places
+        self._cursor = 0  # layer the caller asked for last
+        self._blocked: int | None = None  # a layer that cannot be placed around held layers
         self._fatal: BaseException | None = None
-        self._cursor = 0
         self._closed = False
         self._cond = threading.Condition()
+        self._sem = threading.Semaphore(io_threads)
         # statistics
-        self._binds = self._hits = self._misses = self._reads = 0
-        self._bytes = 0
-        self._device_s = self._wait_s = 0.0
+        self._binds = self._hits = self._misses = self._reads = self._splits = 0
+        self._bytes = self._device_bytes = 0
+        self._wait_s = self._busy_s = 0.0
+        self._active = 0
+        self._busy_t0 = 0.0
         self._layer_reads = [0] * self.n
         self._pool = (ThreadPoolExecutor(io_threads, thread_name_prefix="k3-trunk-io")
                       if io_threads > 1 else None)
         self._thread = threading.Thread(target=self._run, name="k3-trunk-reader", daemon=True)
         self._thread.start()
 
-    # ---------------------------------------------------------------- scheduling
-    def _buf_of(self, i: int) -> _Buf | None:
-        return self._pin[i] if i in self._pinned else self._in_slot.get(i)
+    # ---------------------------------------------------------------- placement
+    def _candidates(self, j: int) -> list[list[tuple[int, int, int]]]:
+        """Ways to lay layer j's run into the arena, best first: whole right after the
+        previous layer; split across the arena's end at a tensor boundary (the tail part
+        at offset 0 must end before the head part starts); whole right after any layer
+        still held; whole at 0."""
+        R, N, h = self._arena_bytes, self.packed.layers[j].nbytes, self._head
+        out = []
+        if h + N <= R:
+            out.append([(0, N, h)])
+        elif h < R:
+            best = None
+            b = self._bounds[j]
+            for k in range(1, len(b)):  # tensors b[:k] before the arena's end, b[k:] from 0
+                a_end = _align_up(b[k - 1][1])
+                if a_end > R - h:
+                    break
+                w = b[k][0] // ALIGN * ALIGN
+                if N - w <= h:
+                    best = (a_end, w)
+            if best is not None:
+                out.append([(0, best[0], h), (best[1], N, 0)])
+        for inst in self._live.values():
+            for _, e in inst.regions:
+                if e + N <= R:
+                    out.append([(0, N, e)])
+        out.append([(0, N, 0)])
+        return out
 
-    def _window(self) -> tuple[list[int], set[int]]:
-        """Layers to have resident, in walk order from the cursor: every pinned layer not
-        yet read up to the ring's reach, and the next ``ring`` unpinned layers."""
-        jobs, want = [], set()
-        k = len(self._slots)
-        for step in range(self.n):
-            j = (self._cursor + step) % self.n
-            if j in self._pinned:
-                if self._pin[j].state == _EMPTY:
-                    jobs.append(j)
-                continue
-            if len(want) >= k:
-                break
-            want.add(j)
-            jobs.append(j)
-        return jobs, want
+    def _obstacles(self) -> list[tuple[int, int]]:
+        """Arena ranges a placement must avoid: those held by the caller for a layer other
+        than the one it is on (they may never be released in this walk)."""
+        regs = []
+        for inst in self._live.values():
+            if inst.refs and inst.layer != self._cursor:
+                regs += inst.regions
+        return regs
 
-    def _claimable(self, want: set[int]) -> _Buf | None:
-        """A slot that may be (re)filled: not being read, not held, not holding a layer in
-        ``want``. An empty one first, else the one whose layer the walk needs last
-        (Belady's choice for a known future: a spare slot then keeps the layer it
-        will meet soonest, a free hit per pass)."""
-        cand, dist = None, -1
-        for s in self._slots:
-            if s.state == _READING or s.refs or (s.layer is not None and s.layer in want):
-                continue
-            if s.layer is None:
-                return s
-            d = (s.layer - self._cursor) % self.n
-            if d > dist:
-                cand, dist = s, d
-        return cand
-
-    def _next_job(self):
-        jobs, want = self._window()
-        for j in jobs:
-            if j in self._errors:
-                continue
-            if j in self._pinned:
-                b = self._pin[j]
-                if b.state != _EMPTY:
-                    continue
-                if b.buf is None:
-                    try:
-                        b.buf = aligned_empty(b.size)
-                    except MemoryError:
-                        self._errors[j] = K3Error(
-                            f"trunk: cannot allocate {_gb(b.size)} GB to pin layer {j}; the machine has less "
-                            "free memory than the trunk budget assumed. Lower --trunk-gb.")
-                        continue
-            else:
-                if j in self._in_slot:
-                    continue
-                b = self._claimable(want)
-                if b is None:
-                    continue
-                if b.layer is not None:
-                    self._in_slot.pop(b.layer, None)
-                self._in_slot[j] = b
-            b.layer, b.state, b.views = j, _READING, None
-            return j, b
+    def _in_use(self, me: _Inst, a: int, b: int) -> _Inst | None:
+        """Another read's layer occupying arena bytes [a, b): scheduled, held, or still
+        being written into. Its bytes must not be overwritten yet."""
+        for inst in list(self._live.values()) + self._dropped:
+            if inst is not me and _overlaps([(a, b)], inst.regions):
+                return inst
         return None
 
+    def _next_job(self) -> _Inst | None:
+        """The next read to issue, placed and registered, or None (nothing to do now)."""
+        for _ in range(self.n):
+            j = self._next
+            if j in self._pinned:
+                inst = self._pin.get(j)
+                if inst is not None:  # read or being read: pinned layers stay
+                    self._next = (j + 1) % self.n
+                    continue
+                L = self.packed.layers[j]
+                try:
+                    buf = aligned_empty(L.nbytes)
+                except MemoryError:
+                    inst = _Inst(j, True, None, [], self.chunk_bytes)
+                    inst.error = K3Error(
+                        f"trunk: cannot allocate {_gb(L.nbytes)} GB to pin layer {j}; the machine has less "
+                        "free memory than the trunk budget assumed. Lower --trunk-gb.")
+                    self._pin[j] = inst
+                    return None
+                inst = _Inst(j, True, buf, [(0, L.nbytes, 0)], self.chunk_bytes)
+                self._pin[j] = inst
+                self._next = (j + 1) % self.n
+                return inst
+            if j in self._live:  # its previous read is still in use: wait for the release
+                return None
+            if j in self._cache:  # released but intact: a read saved
+                self._live[j] = self._cache.pop(j)
+                self._next = (j + 1) % self.n
+                continue
+            stale = self._obstacles()
+            place = next((c for c in self._candidates(j)
+                          if not _overlaps([(p, p + hi - lo) for lo, hi, p in c], stale)), None)
+            if place is None:
+                self._blocked = j
+                return None
+            regs = [(p, p + hi - lo) for lo, hi, p in place]
+            for k in [k for k, c in self._cache.items() if _overlaps(regs, c.regions)]:
+                del self._cache[k]  # overwritten
+            inst = _Inst(j, False, self._arena, place, self.chunk_bytes)
+            self._splits += len(place) > 1
+            self._live[j] = inst
+            lo, hi, p = place[-1]
+            self._head = p + hi - lo
+            self._next = (j + 1) % self.n
+            return inst
+        return None
+
+    # ---------------------------------------------------------------- the reader
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as e:  # pragma: no cover - a bug: make layer() raise, never hang
+        except BaseException as e:  # pragma: no cover - a bug: make the caller raise, never hang
             with self._cond:
                 self._fatal = e
                 self._cond.notify_all()
@@ -992,65 +1108,161 @@ class TrunkStreamer:
                 while True:
                     if self._closed:
                         return
-                    job = self._next_job()
-                    if job is not None:
+                    inst = self._next_job()
+                    if inst is not None:
                         break
                     cond.wait()
-            j, b = job
-            t0 = time.perf_counter()
-            err = None
-            try:
-                self._read_layer(j, b.buf)
-            except BaseException as e:  # handed to the caller of layer(j), never swallowed
-                err = e
-            dt = time.perf_counter() - t0
-            with cond:
-                self._device_s += dt
-                self._reads += 1
-                self._layer_reads[j] += 1
-                if err is None:
-                    b.state = _READY
-                    self._bytes += self.packed.layers[j].nbytes
+                inst.t0 = time.perf_counter()
+            for ci, (lo, hi, pos) in enumerate(inst.chunks):
+                self._sem.acquire()
+                with cond:
+                    # A chunk goes out once the layers before it have left its arena bytes
+                    # (the first chunks of a layer usually can: read-ahead into spare bytes).
+                    while not (inst.dropped or self._closed) and not inst.pinned:
+                        other = self._in_use(inst, pos, pos + hi - lo)
+                        if other is None:
+                            break
+                        n, c = self.n, self._cursor
+                        if not (other.refs or other.dropped) and (other.layer - c) % n > (inst.layer - c) % n:
+                            self._drop(other)  # read ahead for a layer the caller skipped: its turn is next pass
+                            continue
+                        if other.refs and other.layer != self._cursor:  # held out of turn
+                            if not inst.refs:  # not handed out yet: place it again, around that layer
+                                self._drop(inst)
+                                self._next = inst.layer
+                                break
+                            self._blocked = inst.layer  # the caller waits on it: tell the caller
+                        cond.wait()
+                    if inst.dropped or self._closed:
+                        self._sem.release()
+                        break
+                    inst.submitted += 1
+                    inst.inflight += 1
+                    if not self._active:
+                        self._busy_t0 = time.perf_counter()
+                    self._active += 1
+                if self._pool is None:
+                    self._chunk(inst, ci)
                 else:
-                    b.state, b.layer, b.views = _EMPTY, None, None
-                    if j not in self._pinned:
-                        self._in_slot.pop(j, None)
-                    self._errors[j] = err
-                cond.notify_all()
+                    self._pool.submit(self._chunk, inst, ci)
 
-    # ---------------------------------------------------------------------- reads
-    def _read_chunk(self, off: int, n: int, out: np.ndarray) -> None:
-        self.reader.read_direct(self.packed.path, off, n, out=out)
-
-    def _read_layer(self, j: int, buf: np.ndarray) -> None:
-        L = self.packed.layers[j]
-        n, base = L.nbytes, L.file_off
-        cs = self.chunk_bytes
-        spans = [(o, min(cs, n - o)) for o in range(0, n, cs)]
+    def _chunk(self, inst: _Inst, ci: int) -> None:
+        lo, hi, pos = inst.chunks[ci]
+        L = self.packed.layers[inst.layer]
+        err = None
         try:
-            if self._pool is None or len(spans) == 1:
-                for o, m in spans:
-                    self._read_chunk(base + o, m, buf[o : o + m])
-                return
-            futs = [self._pool.submit(self._read_chunk, base + o, m, buf[o : o + m]) for o, m in spans]
-            wait_futures(futs)  # every chunk finished before the buffer can be reused
-            for f in futs:
-                e = f.exception()
-                if e is not None:
-                    raise e
+            self.reader.read_direct(self.packed.path, L.file_off + lo, hi - lo, out=inst.buf[pos : pos + hi - lo])
         except ReadError as e:
-            raise ReadError(
-                f"Reading layer {j} of the packed trunk ({n} bytes at offset {base} of {self.packed.path}) "
-                f"failed: {e}") from e
+            err = ReadError(f"Reading layer {inst.layer} of the packed trunk ({L.nbytes} bytes at offset "
+                            f"{L.file_off} of {self.packed.path}) failed: {e}")
         except OSError as e:
-            raise ReadError(
-                f"Reading layer {j} of the packed trunk ({n} bytes at offset {base} of {self.packed.path}) "
-                f"failed: {e.strerror or e}. The weights of this run are incomplete, so its output is invalid; "
-                "check the disk and re-run.") from e
+            err = ReadError(
+                f"Reading layer {inst.layer} of the packed trunk ({L.nbytes} bytes at offset {L.file_off} of "
+                f"{self.packed.path}) failed: {e.strerror or e}. The weights of this run are incomplete, so its "
+                "output is invalid; check the disk and re-run.")
+        except BaseException as e:  # pragma: no cover - handed to the caller, never swallowed
+            err = e
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._busy_s += time.perf_counter() - self._busy_t0
+            inst.inflight -= 1
+            if err is not None:
+                if inst.error is None:
+                    inst.error = err
+                inst.dropped = True
+            else:
+                self._device_bytes += hi - lo
+                inst.done[ci] = True
+                while inst.prefix < len(inst.chunks) and inst.done[inst.prefix]:
+                    inst.ready_to = max(inst.ready_to, inst.chunks[inst.prefix][1])
+                    inst.prefix += 1
+                if inst.complete and not inst.dropped:
+                    self._reads += 1
+                    self._layer_reads[inst.layer] += 1
+                    self._bytes += L.nbytes
+            if inst.dropped and not inst.inflight and inst in self._dropped:
+                self._dropped.remove(inst)
+            self._cond.notify_all()
+        self._sem.release()
+
+    # ---------------------------------------------------------------- helpers
+    def _drop(self, inst: _Inst) -> None:
+        """Forget a ring instance (cancelled or failed); its memory is reused once no read
+        into it is in flight."""
+        inst.dropped = True
+        if self._live.get(inst.layer) is inst:
+            del self._live[inst.layer]
+        if inst.pinned:
+            if self._pin.get(inst.layer) is inst:
+                del self._pin[inst.layer]
+        elif inst.inflight and inst not in self._dropped:
+            self._dropped.append(inst)
+
+    def _resync(self, i: int) -> None:
+        """The caller left the walk the reader was following: drop read-ahead it does not
+        hold and restart the walk at layer i."""
+        for inst in list(self._live.values()):
+            if inst.refs == 0 and inst.layer != i:
+                if inst.complete and inst.error is None:
+                    del self._live[inst.layer]
+                    if not any(self._in_use(inst, a, b) for a, b in inst.regions):
+                        self._cache[inst.layer] = inst
+                else:
+                    self._drop(inst)
+        self._next = i
+
+    def _instance(self, i: int) -> _Inst | None:
+        return self._pin.get(i) if i in self._pinned else self._live.get(i)
+
+    def _raise_for(self, inst: _Inst) -> None:
+        err = inst.error
+        if inst.refs:
+            inst.refs -= 1
+        self._drop(inst)
+        self._cond.notify_all()
+        raise err
+
+    def _raise_held(self, i: int) -> None:
+        held = sorted(x.layer for x in self._live.values() if x.refs and x.layer != i)
+        raise K3Error(
+            f"trunk ring: layer {i} ({_gb(self.packed.layers[i].nbytes)} GB) does not fit in the "
+            f"{_gb(self._arena_bytes)} GB ring beside layers {held}, which are held; release_layer() each "
+            "layer before asking for the next one, or raise --trunk-gb.")
+
+    def _view(self, inst: _Inst, name: str, t: TrunkTensor) -> torch.Tensor:
+        end = t.off + t.nbytes
+        cond = self._cond
+        with cond:
+            if inst.ready_to < end or inst.error is not None:
+                t0 = time.perf_counter()
+                try:
+                    while inst.ready_to < end or inst.error is not None:
+                        if inst.error is not None:
+                            self._raise_for(inst)
+                        if self._closed:
+                            raise K3Error("the trunk streamer was closed while a layer was awaited")
+                        if self._fatal is not None:
+                            raise K3Error(f"the trunk reader thread failed: {self._fatal!r}") from self._fatal
+                        if inst.dropped:
+                            raise K3Error(f"trunk: layer {inst.layer} was used after release_layer()")
+                        if self._blocked == inst.layer:
+                            self._raise_held(inst.layer)
+                        cond.wait(0.5)
+                finally:
+                    self._wait_s += time.perf_counter() - t0
+        lo, hi, pos = next(p for p in inst.parts if p[0] <= t.off and end <= p[1])
+        dt = TORCH_DTYPES[t.dtype]
+        a = inst.buf[pos + t.off - lo : pos + end - lo]
+        if a.ctypes.data % dt.itemsize:  # never for safetensors' 8-aligned offsets
+            a = a.copy()
+        v = torch.from_numpy(a).view(dt).reshape(t.shape)
+        inst.views[name] = v
+        return v
 
     # ------------------------------------------------------------------------ API
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's tensors (views into its buffer), once it is fully read."""
+    def layer(self, i: int) -> Mapping[str, torch.Tensor]:
+        """Layer i's tensors as a mapping whose lookups wait for their bytes."""
         if not 0 <= i < self.n:
             raise IndexError(f"layer {i} out of range 0..{self.n - 1}")
         cond = self._cond
@@ -1059,74 +1271,79 @@ class TrunkStreamer:
                 raise K3Error("the trunk streamer is closed")
             self._binds += 1
             self._cursor = i
-            b = self._buf_of(i)
-            if b is not None and b.state == _READY and b.layer == i:
+            self._blocked = None
+            inst = self._instance(i)
+            if inst is not None and inst.error is not None:
+                self._misses += 1
+                self._raise_for(inst)
+            if inst is not None and inst.complete:
                 self._hits += 1
             else:
                 self._misses += 1
-                t0 = time.perf_counter()
-                cond.notify_all()  # the scheduler re-plans around the new cursor
-                try:
-                    while True:
-                        if i in self._errors:
-                            raise self._errors.pop(i)
-                        b = self._buf_of(i)
-                        if b is not None and b.state == _READY and b.layer == i:
-                            break
-                        if self._closed:
-                            raise K3Error("the trunk streamer was closed while a layer was awaited")
-                        if self._fatal is not None:
-                            raise K3Error(f"the trunk reader thread failed: {self._fatal!r}") from self._fatal
-                        if b is None:
-                            self._check_progress(i)
-                        cond.wait(0.5)
-                finally:
-                    self._wait_s += time.perf_counter() - t0
-            b.refs += 1
-            if b.views is None:
-                b.views = self.packed.views(i, b.buf)
-            return b.views
-
-    def _check_progress(self, i: int) -> None:
-        """Layer i needs a slot: refuse if every slot is held by the caller."""
-        _, want = self._window()
-        if self._claimable(want) is not None or any(s.state == _READING for s in self._slots):
-            return
-        held = sorted(s.layer for s in self._slots if s.refs)
-        raise K3Error(
-            f"trunk ring: layer {i} needs a slot but all {len(self._slots)} are held (layers {held}); "
-            "release_layer() each layer before asking for the next one, or use a larger ring.")
+                if inst is None:
+                    self._resync(i)  # in a forward walk this drops nothing: all before i were used
+                    cond.notify_all()
+                    t0 = time.perf_counter()
+                    try:
+                        while (inst := self._instance(i)) is None:
+                            if self._closed:
+                                raise K3Error("the trunk streamer was closed while a layer was awaited")
+                            if self._fatal is not None:
+                                raise K3Error(f"the trunk reader thread failed: {self._fatal!r}") from self._fatal
+                            if self._blocked == i:
+                                self._raise_held(i)
+                            cond.wait(0.5)
+                    finally:
+                        self._wait_s += time.perf_counter() - t0
+                    if inst.error is not None:
+                        self._raise_for(inst)
+            inst.refs += 1
+            return _LayerView(self, inst, self.packed.layers[i].tensors)
 
     def release_layer(self, i: int) -> None:
-        """The caller is done with layer i for this step (its slot may be reused)."""
+        """The caller is done with layer i for this step (its ring bytes may be reused)."""
         with self._cond:
-            b = self._buf_of(i)
-            if b is not None and b.layer == i and b.refs > 0:
-                b.refs -= 1
+            inst = self._instance(i)
+            if inst is not None and inst.refs > 0:
+                inst.refs -= 1
+                if not inst.refs and not inst.pinned and not inst.complete:
+                    self._drop(inst)  # released before it was all read: nothing of it is kept
+                elif not inst.refs and not inst.pinned:
+                    del self._live[i]
+                    inst.views = {}
+                    if not any(self._in_use(inst, a, b) for a, b in inst.regions):
+                        self._cache[i] = inst  # intact until a later placement takes its bytes
+
             if i == self._cursor:
                 self._cursor = (i + 1) % self.n
+            self._blocked = None
             self._cond.notify_all()
 
     def load_pinned(self) -> None:
         """Read every pinned layer now (instead of on first touch)."""
         for i in self.plan.pinned:
-            self.layer(i)
-            self.release_layer(i)
+            w = self.layer(i)
+            try:
+                for name in w:
+                    w[name]
+            finally:
+                self.release_layer(i)
 
     def stats(self) -> dict:
         with self._cond:
-            dev, wait = self._device_s, self._wait_s
-            allocated = sum(b.size for b in self._pin.values() if b.buf is not None)
-            allocated += sum(s.size for s in self._slots)
+            busy = self._busy_s + (time.perf_counter() - self._busy_t0 if self._active else 0.0)
+            wait = self._wait_s
+            allocated = sum(x.buf.size for x in self._pin.values() if x.buf is not None) + self._arena_bytes
             return {
                 "binds": self._binds, "hits": self._hits, "misses": self._misses,
                 "hit_rate": self._hits / self._binds if self._binds else 0.0,
-                "reads": self._reads, "bytes_read": self._bytes,
-                "device_seconds": dev, "wait_seconds": wait, "overlap_seconds": dev - wait,
-                "device_gbps": self._bytes / dev / 1e9 if dev > 0 else 0.0,
+                "reads": self._reads, "bytes_read": self._bytes, "device_bytes": self._device_bytes,
+                "device_seconds": busy, "wait_seconds": wait, "overlap_seconds": max(0.0, busy - wait),
+                "device_gbps": self._device_bytes / busy / 1e9 if busy > 0 else 0.0,
                 "pinned": len(self.plan.pinned), "n_layers": self.n,
                 "pinned_bytes": self.plan.pinned_bytes, "ring_slots": self.plan.ring_slots,
-                "slot_bytes": self.plan.slot_bytes, "allocated_bytes": allocated,
+                "slot_bytes": self.plan.slot_bytes, "arena_bytes": self._arena_bytes, "wrapped_layers": self._splits,
+                "allocated_bytes": allocated,
                 "io_threads": self.io_threads, "chunk_bytes": self.chunk_bytes,
                 "layer_reads": list(self._layer_reads),
                 "direct": self.reader.direct_active(self.packed.path),
@@ -1139,14 +1356,14 @@ class TrunkStreamer:
         dev, wait = st["device_seconds"], st["wait_seconds"]
         lines = [
             f"trunk [final]: pinned {st['pinned']}/{st['n_layers']} layers, ring {st['ring_slots']} slot"
-            f"{'s' if st['ring_slots'] != 1 else ''}",
+            f"{'s' if st['ring_slots'] != 1 else ''} ({_gb(st['arena_bytes'])} GB arena)",
             f"  binds {b}, hits {st['hits']} ({100.0 * st['hits'] / b if b else 0.0:.1f}%), reads {st['reads']}",
-            f"  read {st['bytes_read'] / 1e9:.2f} GB in {dev:.2f} s ({st['device_gbps'] * 1000:.0f} MB/s)",
+            f"  read {st['bytes_read'] / 1e9:.2f} GB in {dev:.2f} s of device time ({st['device_gbps'] * 1000:.0f} MB/s)",
         ]
         if dev > 0:
             hidden = max(0.0, dev - wait)
             lines.append(f"  waited {wait:.2f} s for reads; {hidden:.2f} s ({100.0 * hidden / dev:.0f}%) of device "
-                         "time overlapped compute on the reader thread")
+                         "time overlapped compute on the reader threads")
         return lines
 
     def close(self) -> None:
@@ -1156,13 +1373,13 @@ class TrunkStreamer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)  # every read into the buffers has finished
         if self._own_reader:
             self.reader.close()
-        for b in list(self._pin.values()) + self._slots:
-            b.views = None
-            b.buf = None  # freed now unless the caller still holds tensors viewing it
-            b.state, b.layer = _EMPTY, None
+        for inst in list(self._pin.values()) + list(self._live.values()) + list(self._cache.values()):
+            inst.views = {}
+        self._pin, self._live, self._cache, self._dropped = {}, {}, {}, []
+        self._arena = None  # freed now unless the caller still holds tensors viewing it
 
     def __enter__(self) -> "TrunkStreamer":
         return self

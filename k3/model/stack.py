@@ -91,11 +91,13 @@ class Model:
         P = h
         for i in range(self.n_layers):
             w = self.provider.layer(i)
-            if B is None:  # Kimi-Linear: plain pre-norm residual
-                h = self.plain_layer(i, w, h, state.layers[i])
-            else:
-                P = self.attn_res_layer(i, w, bank, P, state.layers[i])
-            self.provider.release_layer(i)
+            try:
+                if B is None:  # Kimi-Linear: plain pre-norm residual
+                    h = self.plain_layer(i, w, h, state.layers[i])
+                else:
+                    P = self.attn_res_layer(i, w, bank, P, state.layers[i])
+            finally:  # also on a failed read or an interrupt: a streamer must not keep it held
+                self.provider.release_layer(i)
             if self.on_layer is not None:
                 self.on_layer(i)
         state.ids.extend(int(t) for t in ids)
