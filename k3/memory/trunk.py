@@ -58,7 +58,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping
