@@ -191,9 +191,10 @@ def auto_budget(mem_available: int, mem_total: int, trunk_total: int, embed_head
         cap = int(0.55 * mem_total) - reserve - cache_floor
         trunk = max(min_slot, min(usable - cache_floor, cap))
         if overlap_min is not None and trunk < overlap_min <= usable - cache_floor:
-            # The cap would leave one ring slot (reads not overlapped with compute); when
-            # the memory pays for a second slot, overlap is worth more than the cap: on a
-            # 10-layer realdims trunk the two-slot arm decoded 1.37x faster than one slot.
+            # The cap would leave one ring slot (the next layer read ahead only into what
+            # is left beside it); when the memory pays for a second slot, that is worth
+            # more than the cap (10-layer realdims trunk, 6 GB split sweep: two-slot arms
+            # 4.44 / 4.14 s/token vs 4.55-4.89 with one slot, see docs/BENCHMARKS.md).
             trunk = overlap_min
     msg = (f"auto budget: {mem_available / GB:.2f} GB available, {reserve / GB:.2f} GB reserved -> "
            f"trunk {trunk / GB:.2f} GB / expert cache {cache / GB:.2f} GB")
