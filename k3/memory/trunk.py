@@ -871,8 +871,8 @@ class _Inst:
     ``chunks`` are the read requests, in run order; run bytes ``[0, ready_to)`` are
     readable once every chunk before them has arrived."""
 
-    __slots__ = ("layer", "pinned", "buf", "parts", "chunks", "done", "prefix", "ready_to", "submitted",
-                 "inflight", "error", "refs", "views", "dropped", "t0")
+    __slots__ = ("layer", "pinned", "buf", "parts", "chunks", "done", "prefix", "ready_to", "inflight",
+                 "error", "refs", "views", "dropped")
 
     def __init__(self, layer: int, pinned: bool, buf: np.ndarray, parts, chunk_bytes: int):
         self.layer = layer
@@ -884,13 +884,11 @@ class _Inst:
         self.done = [False] * len(self.chunks)
         self.prefix = 0  # chunks[:prefix] have all arrived
         self.ready_to = 0
-        self.submitted = 0
         self.inflight = 0
         self.error: BaseException | None = None
         self.refs = 0
         self.views: dict[str, torch.Tensor] = {}
         self.dropped = False  # cancelled or failed: its memory is free once nothing is in flight
-        self.t0 = 0.0
 
     @property
     def complete(self) -> bool:
@@ -1003,7 +1001,7 @@ class TrunkStreamer:
         """Ways to lay layer j's run into the arena, best first: whole right after the
         previous layer; split across the arena's end at a tensor boundary (the tail part
         at offset 0 must end before the head part starts); whole right after any layer
-        still held; whole at 0."""
+        now scheduled (a way round a layer the caller holds out of turn); whole at 0."""
         R, N, h = self._arena_bytes, self.packed.layers[j].nbytes, self._head
         out = []
         if h + N <= R:
@@ -1111,7 +1109,6 @@ class TrunkStreamer:
                     if inst is not None:
                         break
                     cond.wait()
-                inst.t0 = time.perf_counter()
             for ci, (lo, hi, pos) in enumerate(inst.chunks):
                 self._sem.acquire()
                 with cond:
@@ -1122,7 +1119,8 @@ class TrunkStreamer:
                         if other is None:
                             break
                         n, c = self.n, self._cursor
-                        if not (other.refs or other.dropped) and (other.layer - c) % n > (inst.layer - c) % n:
+                        skipped = (other.layer - c) % n > (inst.layer - c) % n
+                        if not other.refs and self._live.get(other.layer) is other and skipped:
                             self._drop(other)  # read ahead for a layer the caller skipped: its turn is next pass
                             continue
                         if other.refs and other.layer != self._cursor:  # held out of turn
@@ -1135,7 +1133,6 @@ class TrunkStreamer:
                     if inst.dropped or self._closed:
                         self._sem.release()
                         break
-                    inst.submitted += 1
                     inst.inflight += 1
                     if not self._active:
                         self._busy_t0 = time.perf_counter()
