@@ -326,7 +326,7 @@ def bars_main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 rep, smaller device probe")
     ap.add_argument("--only", default="ab", help="which bars: any of a, b, c (default ab)")
-    ap.add_argument("--big-model", default="/work/rd36", help="bar c: checkpoint >= 1.5x RAM")
+    ap.add_argument("--big-model", default="/work/rd40", help="bar c: checkpoint >= 1.5x RAM")
     ap.add_argument("--big-trunk", default=None)
     ap.add_argument("--big-ceiling", type=float, default=8.0)
     ap.add_argument("--tsv", default=str(RESULTS / "bars.tsv"))
