@@ -71,6 +71,7 @@ from ..checkpoint.safetensors import CheckpointIndex, pread_exact
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
 from ..fsutil import fsync_dir
 from ..model.schema import alog_ok, layer_specs
+from .planner import human
 from .resident import CheckpointLayout
 
 __all__ = [
@@ -696,7 +697,7 @@ class TrunkPlan:
             return f"trunk: all {len(self.pinned)} layers pinned ({_gb(self.pinned_bytes)} GB), no ring"
         how = "LARGEST FIRST" if self.order == "largest" else "as a PREFIX"
         spare = self.arena_bytes - self.ring_slots * self.slot_bytes
-        extra = f" + {_gb(spare)} GB of read-ahead" if spare >= ALIGN else ""
+        extra = f" + {human(spare)} of read-ahead" if spare >= ALIGN else ""
         return (f"trunk: pinned {len(self.pinned)}/{n} layers {how} ({_gb(self.pinned_bytes)} GB), ring "
                 f"{self.ring_slots} slot{'s' if self.ring_slots != 1 else ''} x {_gb(self.slot_bytes)} GB (sized to "
                 f"the largest UNPINNED layer){extra}; {_gb(self.streamed_bytes)} GB read per token")
@@ -849,7 +850,7 @@ def plan_trunk(layer_bytes: list[int], budget_bytes: int, ring: int = 2, order: 
         if k == 1:
             x = min_budget_for(a, 2, order)
             msg = (f"ring held at 1 slot: a second slot needs {_gb_up(x)} GB and the trunk budget is {_gb(B)} GB, "
-                   f"so the next layer is read ahead only into the {_gb(max(0, B - pinned_bytes - slot))} GB beside "
+                   f"so the next layer is read ahead only into the {human(max(0, B - pinned_bytes - slot))} beside "
                    f"that slot while a layer computes (compute still overlaps the reading of its own layer, tensor "
                    f"by tensor). Raise --trunk-gb above {_gb_up(x)} GB to enable it.")
         else:
