@@ -65,12 +65,9 @@ def main(argv=None) -> int:
         if not ms:
             out.append([name, 0, "FAILED"] + [""] * 8)
             continue
-        mean, sd, sp = bl.mean_sd_spread([m["s_tok"] for m in ms])
-        k = ms[0]
-        out.append([name, len(ms), f"{k['trunk_gb']:.2f}/{k['cache_gb']:.2f}", f"{k['pinned']}/{k['n_layers']}",
-                    mean, sd, f"{sp:.0%}", bl.statistics.fmean(m["trunk_gb_tok"] + m["expert_gb_tok"] for m in ms),
-                    max(m["peak_rss_gb"] for m in ms), max(m["cg_max_gb"] for m in ms),
-                    " ".join(f"{m['s_tok']:.2f}" for m in ms)])
+        a_ = bl.arm_summary(ms)
+        out.append([name, len(ms), a_["budgets"], a_["pinned"], a_["mean"], a_["sd"], a_["spread"], a_["gb_read"],
+                    a_["rss_max"], max(m["cg_max_gb"] for m in ms), a_["every"]])
     print(bl.table(out, ["arm", "n", "trunk/cache GB", "pinned", "s/tok mean", "sd", "spread", "GB read/tok",
                          "peak RSS", "cgroup max", "every rep"]))
     ids = {m["ids"] for ms in rows.values() for m in ms}

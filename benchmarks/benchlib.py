@@ -199,6 +199,21 @@ def mean_sd_spread(xs: list[float]) -> tuple[float, float, float]:
     return m, sd, (max(xs) - min(xs)) / m if m else float("nan")
 
 
+def arm_summary(ms: list[dict]) -> dict:
+    """What every sweep prints per arm, from its reps' :func:`metrics`: decode s/token
+    mean / sd / spread, the first rep's plan (trunk/cache GB, pinned), GB read per token,
+    the largest peak RSS, and every rep's s/token."""
+    mean, sd, sp = mean_sd_spread([m["s_tok"] for m in ms])
+    k = ms[0]
+    return {
+        "mean": mean, "sd": sd, "spread": f"{sp:.0%}",
+        "budgets": f"{k['trunk_gb']:.2f}/{k['cache_gb']:.2f}", "pinned": f"{k['pinned']}/{k['n_layers']}",
+        "gb_read": statistics.fmean(m["trunk_gb_tok"] + m["expert_gb_tok"] for m in ms),
+        "rss_max": max(m["peak_rss_gb"] for m in ms),
+        "every": " ".join(f"{m['s_tok']:.2f}" for m in ms),
+    }
+
+
 def _ranks(xs: list[float]) -> list[float]:
     order = sorted(range(len(xs)), key=lambda i: xs[i])
     r = [0.0] * len(xs)

@@ -67,14 +67,11 @@ def main(argv=None) -> int:
         if not ms:
             out.append([rung, 0, "FAILED"] + [""] * 11)
             continue
-        mean, sd, sp = bl.mean_sd_spread([m["s_tok"] for m in ms])
-        f = ms[0]
-        out.append([rung, len(ms), f"{f['trunk_gb']:.2f}/{f['cache_gb']:.2f}", f"{f['pinned']}/{f['n_layers']}",
-                    f["ring"], f["slots"], mean, sd, f"{sp:.0%}",
-                    bl.statistics.fmean(m["hit_pct"] for m in ms),
-                    bl.statistics.fmean(m["trunk_gb_tok"] + m["expert_gb_tok"] for m in ms),
-                    max(m["peak_rss_gb"] for m in ms), bl.statistics.fmean(m["io_share"] for m in ms),
-                    f["ids"]])
+        a_, f = bl.arm_summary(ms), ms[0]
+        mean = a_["mean"]
+        out.append([rung, len(ms), a_["budgets"], a_["pinned"], f["ring"], f["slots"], mean, a_["sd"], a_["spread"],
+                    bl.statistics.fmean(m["hit_pct"] for m in ms), a_["gb_read"], a_["rss_max"],
+                    bl.statistics.fmean(m["io_share"] for m in ms), f["ids"]])
         xs += [rung] * len(ms)
         ys += [m["s_tok"] for m in ms]
         means.append((rung, mean))

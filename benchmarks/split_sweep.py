@@ -79,12 +79,10 @@ def main(argv=None) -> int:
         if not ms:
             out.append([f, t, c, 0, "FAILED"] + [""] * 9)
             continue
-        mean, sd, sp = bl.mean_sd_spread([m["s_tok"] for m in ms])
-        k = ms[0]
-        out.append([f, t, c, len(ms), f"{k['pinned']}/{k['n_layers']}", k["ring"], k["slots"], mean, sd,
-                    f"{sp:.0%}", bl.statistics.fmean(m["hit_pct"] for m in ms),
-                    bl.statistics.fmean(m["trunk_gb_tok"] + m["expert_gb_tok"] for m in ms),
-                    max(m["peak_rss_gb"] for m in ms), " ".join(f"{m['s_tok']:.2f}" for m in ms)])
+        a_, k = bl.arm_summary(ms), ms[0]
+        mean = a_["mean"]
+        out.append([f, t, c, len(ms), a_["pinned"], k["ring"], k["slots"], mean, a_["sd"], a_["spread"],
+                    bl.statistics.fmean(m["hit_pct"] for m in ms), a_["gb_read"], a_["rss_max"], a_["every"]])
         xs += [f] * len(ms)
         ys += [m["s_tok"] for m in ms]
         means.append((f, mean))
