@@ -194,7 +194,7 @@ def auto_budget(mem_available: int, mem_total: int, trunk_total: int, embed_head
             # The cap would leave one ring slot (the next layer read ahead only into what
             # is left beside it); when the memory pays for a second slot, that is worth
             # more than the cap (10-layer realdims trunk, 6 GB split sweep: two-slot arms
-            # 4.44 / 4.14 s/token vs 4.55-4.89 with one slot, see docs/BENCHMARKS.md).
+            # 4.44 / 4.14 s/token vs 4.69 / 4.51 with one slot, see docs/BENCHMARKS.md).
             trunk = overlap_min
     msg = (f"auto budget: {mem_available / GB:.2f} GB available, {reserve / GB:.2f} GB reserved -> "
            f"trunk {trunk / GB:.2f} GB / expert cache {cache / GB:.2f} GB")
