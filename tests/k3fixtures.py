@@ -1,4 +1,4 @@
-"""Readers for the kimi-k3-in-c reference fixtures in ../shared/fixtures (not copied).
+"""Readers for the kimi-k3-in-c reference fixtures copied into tests/fixtures/k3-in-c-v1.
 
 The fixtures name tensors with `_` instead of `.` and their own short names for the
 MoE block; `checkpoint_name` maps them to the released checkpoint names.
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "k3-in-c-v1"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "k3-in-c-v1"
 
 _MOE = {
     "mlp_down_weight": "block_sparse_moe.routed_expert_down_proj.weight",

@@ -38,7 +38,8 @@ from k3.checkpoint import (
 from k3.checkpoint import writer as writer_mod
 from k3.errors import EXIT_CHECKPOINT, EXIT_READ, CheckpointError, ReadError
 
-FIX = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "k3-in-c-v1"
+from k3fixtures import FIXTURES as FIX
+
 ST_DIR = FIX / "st"
 CACHE_SHARD = FIX / "cache" / "model-00001-of-00001.safetensors"
 K3_NAME_FMT = "model-{i:05d}-of-{n:06d}.safetensors"

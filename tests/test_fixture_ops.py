@@ -1,4 +1,4 @@
-"""Every op fixture of kimi-k3-in-c v1 (../shared/fixtures/k3-in-c-v1/ops) within the
+"""Every op fixture of kimi-k3-in-c v1 (tests/fixtures/k3-in-c-v1/ops) within the
 tolerance its MANIFEST states (fp32: abs 1e-5, rel 1e-4). The fixtures come from a
 plain-PyTorch re-implementation of Moonshot's modeling code, independent of ours."""
 

@@ -2,14 +2,13 @@
 
 References: compressed-tensors' MXFP4PackedCompressor (an independent decoder), the
 frozen real-data vector of spec section 4, and the real checkpoint bytes of
-../shared/fixtures/k3-in-c-v1/mxfp4.json (which also records what a nibble-swapped
+tests/fixtures/k3-in-c-v1/mxfp4.json (which also records what a nibble-swapped
 decoder would produce, so we can show the fixture catches that bug).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,9 @@ import torch
 
 from k3.quant import E2M1, decode_mxfp4, get_num_threads, max_threads, mxfp4_linear, set_num_threads
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "k3-in-c-v1" / "mxfp4.json"
+from k3fixtures import FIXTURES
+
+FIXTURE = FIXTURES / "mxfp4.json"
 
 
 def _bits(a) -> np.ndarray:
@@ -110,8 +111,6 @@ def test_spec_frozen_real_vector():
 
 @pytest.fixture(scope="module")
 def fixture_mxfp4():
-    if not FIXTURE.exists():
-        pytest.skip(f"fixture not found: {FIXTURE}")
     return json.loads(FIXTURE.read_text())
 
 

@@ -1,4 +1,4 @@
-"""The tiny 13-layer K3 of kimi-k3-in-c (../shared/fixtures/k3-in-c-v1/tiny_k3.*) must
+"""The tiny 13-layer K3 of kimi-k3-in-c (tests/fixtures/k3-in-c-v1/tiny_k3.*) must
 pass all three gates of ref_k3.json exactly: teacher-forced predictions, greedy full
 recompute and greedy incremental decode. Run both from memory and from a checkpoint
 written in the real release format by our own writer, so the loader is covered."""
