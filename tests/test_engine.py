@@ -64,3 +64,24 @@ def test_layers_limits_the_stack(model):
     assert short.n_layers == 2 and len(short.new_state().layers) == 2
     assert not torch.equal(short.forward(PROMPT), model.forward(PROMPT))
     assert n > 2
+
+
+@pytest.mark.parametrize("S,T", [(9, 1), (5, 34), (3, 300)])
+def test_attn_res_mix_does_not_depend_on_thread_count(S, T):
+    # At K3's width a batched matrix-vector product gave different bits for 1 and 2
+    # threads on an AVX-512 machine; the mix must not.
+    from k3.model.ops import attn_res
+
+    g = torch.Generator().manual_seed(S * 1000 + T)
+    src = [torch.randn(T, 7168, generator=g) for _ in range(S)]
+    norm_w = torch.randn(7168, generator=g).to(torch.bfloat16)
+    proj_w = torch.randn(1, 7168, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        out = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out.append(attn_res(src, norm_w, proj_w, 1e-6))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out[0], out[1])

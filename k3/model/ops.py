@@ -94,9 +94,10 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
     V = torch.stack(sources, 0)  # [S, T, d]
     normed = rms_norm(V, None, eps)
-    # softmax over sources taken along a contiguous last dim (one row per token): torch's
-    # softmax over a leading dim gave 1-ulp differences between thread counts
-    a = torch.softmax((normed @ w).T.contiguous(), dim=-1)  # [T, S]
+    # Scores as an elementwise product summed over the contiguous last dim, and the softmax
+    # along a contiguous last dim (one row per token): a batched matrix-vector product
+    # (`normed @ w`) and a softmax over a leading dim both depend on the thread count.
+    a = torch.softmax((normed * w).sum(-1).T.contiguous(), dim=-1)  # [T, S]
     out = sources[0] * a[:, :1]
     for j in range(1, len(sources)):  # fixed summation order
         out = out + sources[j] * a[:, j:j + 1]
