@@ -40,6 +40,11 @@ LOWER_BOUND = -5.0
 FORMS = ("k3_lowerbound", "kimi_linear_softplus")
 TS = (1, 5, 64, 100, 150)
 RTOL, ATOL = 1e-5, 1e-6  # atol is scaled by the output's magnitude (max |ref|, at least 1)
+# 64-token chunks accumulate more fp32 rounding: transformers' own chunk_kimi_delta_attention
+# differs from its recurrent form by up to 2.1e-6 (of max |state|) at T = 150 with these
+# inputs, so our 64-chunk form, and anything compared with that 64-chunk reference, is held
+# to that level. The 16-chunk form k3 runs keeps ATOL against every other reference.
+ATOL_CHUNK64 = 2.5e-6
 
 
 def _gate_params(form: str, gen: torch.Generator):
@@ -76,19 +81,20 @@ def _ours(q, k, v, g, beta, s0):
     return res
 
 
-def _close(name, got, ref):
+def _close(name, got, ref, atol=ATOL):
     scale = max(1.0, ref.abs().max().item())
     err = (got - ref).abs().max().item()
-    torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=atol * scale, msg=lambda m: f"{name}: {m}")
     return err / scale
 
 
-def _check(ours: dict, o_ref, s_ref, label):
+def _check(ours: dict, o_ref, s_ref, label, ref_atol=ATOL):
     worst = 0.0
     for name, (o, s) in ours.items():
         assert o.shape == o_ref.shape and s.shape == s_ref.shape
-        worst = max(worst, _close(f"{label} vs {name} output", o, o_ref),
-                    _close(f"{label} vs {name} final state", s, s_ref))
+        atol = max(ref_atol, ATOL_CHUNK64 if name == "chunked64" else ATOL)
+        worst = max(worst, _close(f"{label} vs {name} output", o, o_ref, atol),
+                    _close(f"{label} vs {name} final state", s, s_ref, atol))
     return worst
 
 
@@ -208,7 +214,7 @@ def test_kda_vs_transformers(hf_kda, form, T):
     o_ref, s_ref = rec(*args, initial_state=s0[None].clone(), output_final_state=True)
     _check(ours, o_ref[0], s_ref[0], "transformers recurrent_kimi_delta_attention")
     o_ref, s_ref = chunk(*args, initial_state=s0[None].clone(), output_final_state=True)
-    _check(ours, o_ref[0], s_ref[0], "transformers chunk_kimi_delta_attention")
+    _check(ours, o_ref[0], s_ref[0], "transformers chunk_kimi_delta_attention", ATOL_CHUNK64)
 
 
 # ------------------------------------------------------------------- own forms --
