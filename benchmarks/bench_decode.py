@@ -17,7 +17,6 @@ machine are noisy, so read the spread.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -34,7 +33,8 @@ import k3.model.mla as mla_mod  # noqa: E402
 import k3.model.moe as moe_mod  # noqa: E402
 import k3.model.ops as ops_mod  # noqa: E402
 import k3.model.stack as stack_mod  # noqa: E402
-from k3.engine import greedy, load_model  # noqa: E402
+import k3  # noqa: E402
+from k3.engine import greedy  # noqa: E402
 from k3.model.weights import Mxfp4Weight  # noqa: E402
 
 
@@ -45,13 +45,13 @@ class Breakdown:
         self.t = defaultdict(float)
         self.expert_ids: set[int] = set()
         orig_linear = ops_mod.linear
-        orig_experts = provider.experts
+        orig_groups = provider.expert_groups
 
-        def experts(i, ids):
-            out = orig_experts(i, ids)
-            for ew in out.values():
-                self.expert_ids.update(id(w) for w in (ew.w1, ew.w2, ew.w3))
-            return out
+        def expert_groups(i, ids):
+            for group in orig_groups(i, ids):
+                for ew in group.values():
+                    self.expert_ids.update(id(w) for w in (ew.w1, ew.w2, ew.w3))
+                yield group
 
         def linear(x, w):
             t0 = time.perf_counter()
@@ -68,7 +68,7 @@ class Breakdown:
                 return r
             return f
 
-        provider.experts = experts
+        provider.expert_groups = expert_groups
         for m in (ops_mod, kda_mod, mla_mod, moe_mod, stack_mod):
             m.linear = linear
         kda_mod.kda_recurrent = timed(kda_mod.kda_recurrent, "attention")
@@ -85,7 +85,8 @@ def ensure_model(args) -> Path:
     if args.model:
         return Path(args.model)
     from k3 import synth
-    d = Path(os.environ.get("K3_CACHE", Path.home() / ".cache" / "k3")) / f"synth-realdims-L{args.layers}-E{args.experts}"
+    from k3 import env
+    d = env.cache_dir() / f"synth-realdims-L{args.layers}-E{args.experts}"
     if not (d / "model.safetensors.index.json").is_file():
         print(f"generating realdims checkpoint into {d} ...", file=sys.stderr)
         synth.synthesize(d, preset="realdims", seed=0, layers=args.layers, experts=args.experts)
@@ -110,14 +111,17 @@ def main():
     set_num_threads(args.threads)
     d = ensure_model(args)
     t0 = time.perf_counter()
-    model = load_model(d)
-    cfg = model.cfg
+    eng = k3.load(d, max_context=args.prompt_len + args.gen + args.full_steps + 1)
+    model, cfg = eng.model, eng.cfg
+    if eng.provider.cache.n_slots < sum(cfg.num_experts for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)):
+        sys.exit("the plan cannot hold every expert in RAM; this benchmark measures resident decode")
     # every expert resident before timing (first touch reads them from disk)
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe(i):
-            model.provider.experts(i, range(cfg.num_experts))
+            for _ in model.provider.expert_groups(i, range(cfg.num_experts)):
+                pass
     print(f"model {d}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts "
-          f"top-{cfg.num_experts_per_token}; resident trunk {model.provider.resident_bytes / 1e9:.2f} GB, "
+          f"top-{cfg.num_experts_per_token}; resident trunk {model.provider.resident_trunk_bytes / 1e9:.2f} GB, "
           f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     bd = Breakdown(model.provider)
     g = torch.Generator().manual_seed(0)

@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 from k3.checkpoint.io import ALIGN, ShardFiles, aligned_empty  # noqa: E402
 from k3.checkpoint.safetensors import CheckpointIndex  # noqa: E402
 from k3.config import load_config  # noqa: E402
-from k3.memory.trunk import PackedTrunk, TrunkStreamer, min_budget_for, pack_trunk  # noqa: E402
+from k3.memory.planner import min_budget_for, plan_trunk  # noqa: E402
+from k3.memory.trunk import PackedTrunk, TrunkStreamer, pack_trunk  # noqa: E402
 from k3.model.schema import expert_nbytes  # noqa: E402
 
 MiB = 1 << 20
@@ -131,7 +132,7 @@ def random_reads(reader: ShardFiles, files: list[tuple[str, int]], size: int, co
 
 def stream_rate(pt: PackedTrunk, io_threads: int, chunk: int, passes: int) -> tuple[int, float, dict]:
     budget = min_budget_for(pt.layer_bytes, 2)
-    with TrunkStreamer(pt, budget, 2, io_threads=io_threads, chunk_bytes=chunk) as s:
+    with TrunkStreamer(pt, plan_trunk(pt.layer_bytes, budget, 2), io_threads=io_threads, chunk_bytes=chunk) as s:
         assert s.plan.ring_slots == 2
         for i in range(pt.n_layers):  # warm-up pass: both slots faulted in (see seq-fresh)
             s.layer(i)

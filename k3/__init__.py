@@ -1,10 +1,38 @@
-"""k3: exact Kimi K3 / Kimi-Linear inference on ordinary machines."""
+"""k3: exact Kimi K3 / Kimi-Linear inference on ordinary machines.
+
+    import k3
+    with k3.load("path/to/model") as eng:          # preset="auto": the plan that fits
+        for step in eng.generate("Hello", max_tokens=16):
+            print(step.text, end="")
+
+`k3.load` returns a :class:`k3.engine.Engine`; see its docstring and README.md.
+Importing k3 itself imports no torch: that happens on the first `load`.
+"""
 
 import os as _os
 
 # OpenMP workers (torch's libgomp, which numba's pool also uses) spin after each
-# parallel call by default; under load that cut the expert kernel from 4.1 to 0.7 GB/s.
-# It is read when torch is imported, so it must be set before that.
+# parallel call by default, which steals the core another worker needs on a small
+# machine (docs/PERFORMANCE.md). libgomp reads this when torch is imported, so it is
+# set here, before anything imports torch; an explicit setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+__all__ = ["__version__", "load", "Budgets"]
+
+
+def load(model_dir, **kwargs):
+    """Open a model within a memory plan: see :func:`k3.engine.load`."""
+    from .engine import load as _load
+    return _load(model_dir, **kwargs)
+
+
+def __getattr__(name):
+    if name == "Budgets":
+        from .memory.planner import Budgets
+        return Budgets
+    if name == "Engine":
+        from .engine import Engine
+        return Engine
+    raise AttributeError(f"module 'k3' has no attribute {name!r}")

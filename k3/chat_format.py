@@ -1,5 +1,5 @@
-"""Chat formats: K3's XTML tags (rendered in Python, spec 5) and a model folder's Jinja
-`chat_template` (Kimi-Linear, spec 6).
+"""Chat formats: K3's XTML tags (rendered in Python, docs/MODEL.md §5) and a model folder's Jinja
+`chat_template` (Kimi-Linear, docs/MODEL.md §6).
 
 A rendered conversation is a list of *segments* `(text, allow_special)`. Control
 text (`<|open|>`, `<|sep|>`, ...) is encoded with specials allowed; everything a

@@ -29,7 +29,7 @@ ARCH_K3 = "k3"
 ARCH_KIMI_LINEAR = "kimi_linear"
 
 # HF builds the MLA q_a/kv_a RMSNorms without an eps argument, so they use the class
-# default 1e-6 (spec 3.1); every other norm uses rms_norm_eps.
+# default 1e-6 (docs/MODEL.md §3.1); every other norm uses rms_norm_eps.
 MLA_NORM_EPS = 1e-6
 KDA_L2_EPS = 1e-6
 MAX_TOPK = 64
@@ -291,7 +291,7 @@ def parse_config(raw: dict, source: str = "<dict>") -> ModelConfig:
     beta1 = f.float("activation_situ_beta", "situ_beta", optional=True)
     beta2 = f.float("activation_situ_linear_beta", "situ_linear_beta", optional=True)
     if act == "situ" and beta1 is None:
-        beta1 = 1.0  # spec 3.5: an absent activation_situ_beta means 1
+        beta1 = 1.0  # MODEL.md §3.5: an absent activation_situ_beta means 1
     ar_block = f.int("attn_res_block_size", optional=True)
     if arch == ARCH_K3 and ar_block is None:
         f.problems.append("missing `attn_res_block_size` (K3's Attention Residual block size)")

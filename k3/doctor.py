@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import sys
@@ -25,20 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
-from .memory.planner import human
+from .errors import K3Error
+from .probe import K3_EXPERT_BYTES
+from .units import GB, human
 
-GB = 1e9
 REQUIRED = ("torch", "numpy", "numba", "safetensors", "tiktoken", "rich")
 OPTIONAL = {"jinja2": "Jinja chat templates (Kimi-Linear chat)", "regex": "tokenizer parity tests",
             "pexpect": "REPL tests", "huggingface_hub": "the `hf download` command"}
 TESTED_TORCH = "2.13.0"
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "amx_tile", "amx_bf16", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
-# The released K3, for estimates when no model folder is given (reference-engine 4.1).
+# The released K3, for estimates when no model folder is given (the C engine's measured sizes).
 K3_TRUNK_BYTES = 108.81e9
 K3_EXPERT_BYTES_PER_TOKEN = 25.83e9
 K3_DOWNLOAD_BYTES = 1_560_936_091_448
+K3_SLOT_BYTES = 17_559_552  # one expert's cache slot: its bytes widened to 4096-byte boundaries
 K3_REPO = "moonshotai/Kimi-K3"
 
 
@@ -198,7 +198,7 @@ def check_memory(rep: Report) -> dict:
     total, avail = mi["MemTotal"], mi["MemAvailable"]
     lim = f", cgroup limit {human(mi['CgroupLimit'])}" if "CgroupLimit" in mi else ""
     lines.append(f"MemTotal {human(total)}, MemAvailable {human(avail)}{lim}")
-    name = planner.recommend_preset(avail, total)
+    name = planner.recommend_preset(avail)
     p = planner.PRESETS[name]
     lines.append(f"recommended preset for K3: {name} (trunk {p.trunk_gb:g} GB / expert cache {p.cache_gb:g} GB) - "
                  f"{p.note}")
@@ -222,10 +222,7 @@ class ModelFacts:
     trunk_dir: Path | None = None
     trunk_state: str = "absent"  # absent | current | stale | unchecked
     shard_problems: list = field(default_factory=list)
-
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
+    sizes: object = None  # planner.ModelSizes, when the checkpoint matches its config
 
 
 def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
@@ -300,33 +297,24 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
         rep.blocking.append(f"{len(absent)} tensors the index maps are not in their shard (e.g. {absent[0]}); "
                             "a shard is from another revision. Download it again.")
     facts.total_bytes = size_total
-    # sizes for the estimates
-    if cfg is not None and tensors:
-        per_layer: dict[int, int] = {}
-        expert0: dict[int, int] = {}
-        tables = 0
-        for name, t in tensors.items():
-            if name.startswith(("vision_tower.", "mm_projector.")):
-                continue
-            m = _EXPERT.search(name)
-            if m:
-                if m.group(2) == "0":
-                    expert0[int(m.group(1))] = expert0.get(int(m.group(1)), 0) + t.nbytes
-                continue
-            m = _LAYER.search(name)
-            if m:
-                per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.nbytes
-            else:
-                tables += t.nbytes
-        facts.trunk_bytes = sum(per_layer.values())
-        facts.table_bytes = tables
-        facts.largest_layer = max(per_layer.values(), default=0)
-        bundle = max(expert0.values(), default=0)
-        n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
-        facts.expert_bytes_per_token = n_moe * cfg.num_experts_per_token * bundle
-        lines.append(f"per token: trunk {human(facts.trunk_bytes)} + routed experts {human(facts.expert_bytes_per_token)} "
-                     f"({n_moe} MoE layers x top-{cfg.num_experts_per_token} x {human(bundle)}); model tables "
-                     f"{human(tables)}")
+    # sizes for the estimates: the checkpoint seen through the model's tensor graph
+    if cfg is not None and not missing and not bad and not absent:
+        try:
+            from .checkpoint.layout import CheckpointLayout
+            from .memory.streaming import model_sizes
+            from .model.schema import global_specs
+            layout = CheckpointLayout.open(cfg, model)
+            sizes = facts.sizes = model_sizes(layout)
+        except K3Error as e:
+            rep.blocking.append(str(e))
+        else:
+            facts.trunk_bytes = sizes.trunk_bytes
+            facts.table_bytes = sum(ti.nbytes for ti in (layout.info(rel) for rel in global_specs(cfg)))
+            facts.largest_layer = max(sizes.layer_bytes)
+            facts.expert_bytes_per_token = sizes.moe_layers * sizes.top_k * sizes.expert_bytes
+            lines.append(f"per token: trunk {human(facts.trunk_bytes)} + routed experts "
+                         f"{human(facts.expert_bytes_per_token)} ({sizes.moe_layers} MoE layers x top-{sizes.top_k} x "
+                         f"{human(sizes.expert_bytes)}); model tables {human(facts.table_bytes)}")
     # tokenizer and chat format
     try:
         from .tokenizer import Tokenizer
@@ -356,7 +344,7 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
         lines.append(f"packed trunk: {facts.trunk_dir} ({facts.trunk_state})")
     else:
         lines.append(f"packed trunk: none at {facts.trunk_dir}")
-    facts.ok = cfg is not None and not missing and not bad and not absent
+    facts.ok = cfg is not None and not missing and not bad and not absent and facts.sizes is not None
     return facts
 
 
@@ -446,13 +434,18 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
     p = planner.PRESETS[preset]
     pinned = min(trunk, p.trunk_gb * GB)
     if avail is not None:
-        try:
-            t_b, c_b, msg = planner.auto_budget(avail, mem["total"], int(trunk), int(tables),
-                                                int(facts.largest_layer if facts and facts.largest_layer else 2.5 * GB),
-                                                int(0.5 * GB))
-            lines.append(msg)
-        except K3Error as e:
-            lines.append(f"auto budget: {e}")
+        sizes = facts.sizes if facts is not None and facts.sizes is not None else _k3_sizes(trunk, tables)
+        cfg = facts.cfg if facts is not None and facts.cfg is not None else None
+        if cfg is not None:
+            try:
+                plan = planner.plan(cfg, sizes, planner.Budgets(preset="auto", trunk="(packed)"), tokens=4096,
+                                    incremental=True, available=avail, baseline=planner.baseline_bytes())
+                plan.check()
+                lines.append(f"with a packed trunk, {plan.summary()}")
+                for n in plan.notes:
+                    lines.append(n)
+            except K3Error as e:
+                lines.append(f"auto: {str(e).splitlines()[0]}")
     streamed = max(0.0, trunk - pinned)
     per_token = streamed + experts
     lines.append(f"{what} at preset {preset}: {human(pinned)} of the trunk pinned, per token {human(streamed)} "
@@ -465,6 +458,15 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
                  f"{probe.random_rate / 1e6:,.0f} MB/s random at QD4); compute and cache hits move it")
     rep.data["estimate"] = {"preset": preset, "bytes_per_token": per_token, "seconds_per_token": s}
     return preset, False
+
+
+def _k3_sizes(trunk: float, tables: float):
+    """The released K3's sizes, for estimates without a model."""
+    from .memory.planner import ModelSizes
+    dense = int(2.34 * GB)
+    rest = int((trunk - dense) / 92)
+    return ModelSizes(layer_bytes=(dense,) + (rest,) * 92, table_bytes=int(tables), head_bytes=int(tables / 2),
+                      slot_bytes=K3_SLOT_BYTES, expert_bytes=K3_EXPERT_BYTES, moe_layers=92, experts=896, top_k=16)
 
 
 def next_steps(rep: Report, model: Path | None, facts: ModelFacts | None, preset: str, resident: bool) -> None:
@@ -514,55 +516,8 @@ def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float 
         shards = []
         if model_p is not None and model_p.is_dir() and probe_dir is None:
             shards = sorted(model_p.glob("*.safetensors"), key=lambda p: -p.stat().st_size)[:8]
-        size = read_size or 17_547_264
+        size = read_size or K3_EXPERT_BYTES
         res = check_storage(rep, where, shards, probe_seconds, size, scratch_bytes)
     preset, resident = estimate(rep, mem, facts, res)
     next_steps(rep, model_p, facts, preset, resident)
     return rep
-
-
-# ---------------------------------------------------------------- command
-def add_doctor_args(p) -> None:
-    p.add_argument("model", nargs="?", help="model folder to check (optional)")
-    p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
-    p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
-    p.add_argument("--probe-seconds", type=float, default=8.0, help="time for the storage probe (default 8)")
-    p.add_argument("--probe-dir", help="probe this folder's drive instead of the model's (a scratch file is "
-                   "written there and removed)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def cmd_doctor(args) -> int:
-    if args.probe_seconds <= 0:
-        raise UsageError(f"--probe-seconds must be > 0, got {args.probe_seconds}.")
-    if args.probe_dir and not Path(args.probe_dir).is_dir():
-        raise UsageError(f"--probe-dir {args.probe_dir}: not a folder.")
-    rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
-                     probe_dir=args.probe_dir)
-    if args.json:
-        print(json.dumps(rep.as_dict(), indent=1, default=str))
-    else:
-        print(rep.render())
-    sys.stdout.flush()
-    return EXIT_RUNTIME if rep.blocking else EXIT_OK
-
-
-def register(subparsers):
-    """Add `doctor` to an argparse subparsers object."""
-    p = subparsers.add_parser("doctor", help="check this machine (and a model folder): what runs, with which "
-                              "preset, how fast, and what to do next",
-                              description=(__doc__ or "").split("\n\n")[1] if __doc__ else None)
-    add_doctor_args(p)
-    p.set_defaults(fn=cmd_doctor)
-    return p
-
-
-def main(argv=None) -> int:
-    """`python -m k3.doctor ...` is `k3 doctor ...`."""
-    from .cli import main as k3_main
-
-    return k3_main(["doctor", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

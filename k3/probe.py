@@ -1,6 +1,6 @@
 """Storage probe for `k3 doctor`: how fast can this drive feed the engine?
 
-Two access patterns matter (reference-engine 4.1): the trunk is read sequentially in
+Two access patterns matter (the C engine's design): the trunk is read sequentially in
 large runs, routed experts are read as random expert-sized blocks (17,547,264 bytes
 for K3) several at a time. The probe measures both with O_DIRECT (page cache
 bypassed, as the engine reads), each for a bounded time:
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 ALIGN = 4096
-K3_EXPERT_BYTES = 17_547_264  # one K3 expert bundle (MXFP4 weights + scales), reference-engine 4.4
+K3_EXPERT_BYTES = 17_547_264  # one K3 expert (MXFP4 w1/w2/w3 + scales), as the release stores it
 SEQ_BLOCK = 8 << 20
 
 

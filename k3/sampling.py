@@ -24,7 +24,6 @@ or with `do_sample` false, decoding is greedy unless a sampling flag is given.
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import K3Error, UsageError
+from .fsutil import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -132,12 +132,7 @@ def generation_defaults(model_dir) -> dict:
     p = Path(model_dir) / GENERATION_CONFIG
     if not p.is_file():
         return {}
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{p}: not readable JSON ({e}). Fix or remove it, or pass the sampling flags.") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{p}: expected a JSON object.")
+    raw = read_json_object(p, "Fix or remove it, or pass the sampling flags.")
     out = {}
     for k, typ in (("do_sample", bool), ("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int)):
         v = raw.get(k)
@@ -146,27 +141,12 @@ def generation_defaults(model_dir) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- command line
-def add_sampling_args(parser) -> None:
-    """--temperature, --top-p, --top-k, --seed, --greedy (argparse)."""
-    g = parser.add_argument_group(
-        "sampling", "defaults from the model's generation_config.json when it samples (K3: temperature 1.0, "
-                    "top-p 0.95); greedy when there is none")
-    g.add_argument("--temperature", type=float, default=None, metavar="T",
-                   help="softmax temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus: keep the smallest set of "
-                   "most likely tokens whose probability reaches P (1 = off)")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep only the K most likely tokens (0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed so the run "
-                   "can be repeated); a seeded run gives the same tokens at every memory budget and thread count")
-    g.add_argument("--greedy", action="store_true", help="greedy decoding (argmax), whatever the defaults say")
-
-
-def settings_from_args(args, model_dir) -> SamplingSettings | None:
-    """The sampling settings these arguments ask for, or None for greedy."""
-    t, p, k = getattr(args, "temperature", None), getattr(args, "top_p", None), getattr(args, "top_k", None)
-    seed = getattr(args, "seed", None)
-    if getattr(args, "greedy", False):
+def resolve(model_dir=None, *, temperature: float | None = None, top_p: float | None = None,
+            top_k: int | None = None, seed: int | None = None, greedy: bool = False) -> SamplingSettings | None:
+    """The sampling settings asked for (None = greedy): the given values over the model
+    folder's generation_config.json (when it samples), a fresh seed when none is given."""
+    t, p, k = temperature, top_p, top_k
+    if greedy:
         if t not in (None, 0) or p is not None or k is not None:
             raise UsageError("--greedy cannot be combined with --temperature/--top-p/--top-k.")
         return None
@@ -189,9 +169,3 @@ def settings_from_args(args, model_dir) -> SamplingSettings | None:
     if seed < 0:
         raise UsageError(f"--seed must be >= 0, got {seed}.")
     return SamplingSettings(temperature, top_p, top_k, int(seed), source)
-
-
-def sampler_from_args(args, model_dir, stream: int = 0) -> Sampler | None:
-    """A Sampler for `k3 run` (None = greedy: pass it to engine.generate as is)."""
-    s = settings_from_args(args, model_dir)
-    return None if s is None else s.sampler(stream)

@@ -1,5 +1,5 @@
-"""Conversation state files (`--save-state` / `--load-state`), and cheap in-memory
-snapshots of an InferenceState (used to undo a forward pass cut short by Ctrl-C).
+"""Conversation state files (`--save-state` / `--load-state`). (In-memory snapshots, to
+undo a forward pass cut short, are InferenceState.snapshot / restore.)
 
 File format: one safetensors file (no pickle; the `safetensors` library can read it),
 written atomically (temporary name, fsync, rename). The header's `__metadata__`:
@@ -140,10 +140,7 @@ def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), ex
     p = Path(path)
     if p.parent and not p.parent.exists():
         raise UsageError(f"{path}: the folder {p.parent} does not exist.")
-    try:
-        write_safetensors(p, tensors, metadata=meta, fsync=fsync)
-    except OSError as e:
-        raise K3Error(f"{path}: could not write the state file ({e.strerror}).") from None
+    write_safetensors(p, tensors, metadata=meta, fsync=fsync, what="the state file")
     return p.stat().st_size
 
 
@@ -284,42 +281,3 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
             else:
                 ls.k, ls.v = tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"]
     return LoadedState(state, ids[positions:], extra if isinstance(extra, dict) else {}, meta)
-
-
-# ---------------------------------------------------------------- snapshots
-@dataclass
-class Snapshot:
-    n_ids: int
-    layers: list
-
-
-def snapshot(state: InferenceState) -> Snapshot:
-    """A cheap snapshot: references to the KDA tensors (the model replaces them, it
-    never writes into them) and the MLA cache lengths."""
-    layers = []
-    for ls in state.layers:
-        if isinstance(ls, KDAState):
-            layers.append((ls.conv_q, ls.conv_k, ls.conv_v, ls.S))
-        else:
-            layers.append(ls.length)
-    return Snapshot(len(state.ids), layers)
-
-
-def restore(state: InferenceState, snap: Snapshot) -> None:
-    """Put `state` back to `snap` (after a forward pass was interrupted midway)."""
-    del state.ids[snap.n_ids:]
-    for ls, s in zip(state.layers, snap.layers):
-        if isinstance(ls, KDAState):
-            ls.conv_q, ls.conv_k, ls.conv_v, ls.S = s
-        elif s == 0:
-            ls.k = ls.v = None
-        elif ls.length != s:
-            ls.k, ls.v = ls.k[:s].clone(), ls.v[:s].clone()
-
-
-def kv_positions_bytes(cfg, positions: int, n_layers: int | None = None) -> int:
-    """Bytes of the MLA KV cache at `positions` positions (expanded fp32, as held)."""
-    n = cfg.num_hidden_layers if n_layers is None else n_layers
-    per = sum(1 for i in range(n) if cfg.is_mla(i)) * cfg.mla_num_heads * (
-        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 4
-    return per * positions

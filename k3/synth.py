@@ -54,7 +54,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -68,6 +67,7 @@ from .checkpoint.safetensors import INDEX_NAME
 from .checkpoint.writer import write_safetensors
 from .config import ModelConfig, parse_config
 from .errors import UsageError
+from .fsutil import atomic_write
 from .model.schema import expert_specs, global_specs, layer_specs
 
 __all__ = [
@@ -80,9 +80,7 @@ __all__ = [
     "tensor_value",
     "train_bpe",
     "special_tokens",
-    "add_arguments",
-    "run",
-    "main",
+    "describe_plan",
 ]
 
 ARCHS = ("k3", "kimi_linear")
@@ -93,37 +91,33 @@ K3_BASE = 163584  # first special id of the release (its 163,584 BPE ranks)
 # Per-preset shapes. K3 keeps the release's structure (KDA x3 + MLA, last layer MLA,
 # dense layer 0, latent MoE, 2 shared experts, SiTU); realdims uses K3's real
 # per-tensor shapes with few layers/experts and a small vocabulary.
+def _kimi_linear(k3: dict, **over) -> dict:
+    """The Kimi-Linear preset beside a K3 one: the same trunk shapes without K3's latent
+    MoE, Attention Residuals and MXFP4 experts, a plain q_proj, one shared expert."""
+    d = {k: v for k, v in k3.items() if k not in ("latent", "attn_res", "expert_mode")}
+    return {**d, "q_lora": None, "shared": 1, **over}
+
+
+_TINY = dict(hidden=128, layers=8, vocab=1280, kda_heads=4, kda_head_dim=32, mla_heads=4, q_lora=64, kv_lora=32,
+             nope=16, rope=8, v=16, inter=256, experts=16, topk=4, moe_inter=64, shared=2, latent=64, attn_res=3,
+             expert_mode="encode")
+_SMALL = dict(hidden=768, layers=14, vocab=2304, kda_heads=6, kda_head_dim=128, mla_heads=6, q_lora=256,
+              kv_lora=128, nope=64, rope=32, v=64, inter=2048, experts=32, topk=8, moe_inter=256, shared=2,
+              latent=384, attn_res=4, expert_mode="packed")
+# K3's real per-tensor shapes (docs/MODEL.md §1-2); 4 layers: KDA, KDA, KDA, MLA.
+_REALDIMS = dict(hidden=7168, layers=4, vocab=2304, kda_heads=96, kda_head_dim=128, mla_heads=96, q_lora=1536,
+                 kv_lora=512, nope=128, rope=64, v=128, inter=33792, experts=32, topk=16, moe_inter=3072, shared=2,
+                 latent=3584, attn_res=12, expert_mode="packed")
 PRESETS: dict[str, dict[str, dict]] = {
-    "tiny": {
-        "k3": dict(hidden=128, layers=8, vocab=1280, kda_heads=4, kda_head_dim=32, mla_heads=4,
-                   q_lora=64, kv_lora=32, nope=16, rope=8, v=16, inter=256, experts=16, topk=4,
-                   moe_inter=64, shared=2, latent=64, attn_res=3, expert_mode="encode"),
-        "kimi_linear": dict(hidden=128, layers=8, vocab=1280, kda_heads=4, kda_head_dim=32, mla_heads=4,
-                            q_lora=None, kv_lora=32, nope=16, rope=8, v=16, inter=256, experts=16,
-                            topk=4, moe_inter=64, shared=1),
-    },
-    "small": {
-        "k3": dict(hidden=768, layers=14, vocab=2304, kda_heads=6, kda_head_dim=128, mla_heads=6,
-                   q_lora=256, kv_lora=128, nope=64, rope=32, v=64, inter=2048, experts=32, topk=8,
-                   moe_inter=256, shared=2, latent=384, attn_res=4, expert_mode="packed"),
-        "kimi_linear": dict(hidden=768, layers=14, vocab=2304, kda_heads=6, kda_head_dim=128, mla_heads=6,
-                            q_lora=None, kv_lora=128, nope=64, rope=32, v=64, inter=2048, experts=32,
-                            topk=8, moe_inter=256, shared=1),
-    },
-    "realdims": {
-        # K3's real per-tensor shapes (spec 1/2); 4 layers: KDA, KDA, KDA, MLA.
-        "k3": dict(hidden=7168, layers=4, vocab=2304, kda_heads=96, kda_head_dim=128, mla_heads=96,
-                   q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, inter=33792, experts=32,
-                   topk=16, moe_inter=3072, shared=2, latent=3584, attn_res=12, expert_mode="packed"),
-        # Kimi-Linear-48B's real per-tensor shapes (spec 6).
-        "kimi_linear": dict(hidden=2304, layers=4, vocab=2304, kda_heads=32, kda_head_dim=128, mla_heads=32,
-                            q_lora=None, kv_lora=512, nope=128, rope=64, v=128, inter=9216, experts=32,
-                            topk=8, moe_inter=1024, shared=1),
-    },
+    "tiny": {"k3": _TINY, "kimi_linear": _kimi_linear(_TINY)},
+    "small": {"k3": _SMALL, "kimi_linear": _kimi_linear(_SMALL)},
+    # Kimi-Linear-48B's real per-tensor shapes (docs/MODEL.md §6).
+    "realdims": {"k3": _REALDIMS, "kimi_linear": _kimi_linear(_REALDIMS, hidden=2304, kda_heads=32, mla_heads=32,
+                                                               inter=9216, topk=8, moe_inter=1024)},
 }
 
-# Special tokens at their offsets from the first special id. K3's are spec 5;
-# Kimi-Linear's are K2-style (only BOS/EOS/<|im_end|>/PAD are confirmed by the spec).
+# Special tokens at their offsets from the first special id. K3's are those of docs/MODEL.md §5;
+# Kimi-Linear's are K2-style (only BOS/EOS/<|im_end|>/PAD are confirmed).
 _K3_SPECIALS = {
     0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|end_of_msg|>", True),
     3: ("<|open|>", False), 4: ("<|close|>", False), 5: ("<|sep|>", False),
@@ -901,12 +895,6 @@ def _prepare_dir(out: Path, force: bool) -> None:
             (out / n).unlink()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, layers: int | None = None,
                experts: int | None = None, *, force: bool = False,
                progress: Callable[[str], None] | None = None, fsync: bool = False) -> Path:
@@ -932,7 +920,7 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
 
     (out / "config.json").write_bytes(_json_bytes(plan.raw_config))
     for fname, data in _tokenizer_files(plan.raw_config, arch).items():
-        _write_atomic(out / fname, data)
+        atomic_write(out / fname, data, fsync=fsync)
 
     # One shard in memory at a time: draw it, write it, drop it. (Overlapping the draw
     # of shard k+1 with the write of shard k measured no faster on 2 cores.)
@@ -960,60 +948,18 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     }  # no timings: the folder is byte-for-byte a function of (preset, arch, seed, layers, experts)
     (out / "k3_synth.json").write_bytes(_json_bytes(meta))
     index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomic(out / INDEX_NAME, _json_bytes(index))
+    atomic_write(out / INDEX_NAME, _json_bytes(index), fsync=fsync)
     say(f"synth: wrote {written / 1e6:.1f} MB in {elapsed:.1f} s ({written / 1e6 / max(elapsed, 1e-9):.0f} MB/s)")
     return out
 
 
-# ------------------------------------------------------------------------ CLI hooks
-def add_arguments(parser) -> None:
-    """Arguments of `k3 synth` (argparse)."""
-    parser.add_argument("out", help="output model folder (created; must be empty or a previous synth output)")
-    parser.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                        help="tiny (a few MB), small (~200 MB), realdims (K3's real tensor shapes, several GB)")
-    parser.add_argument("--arch", default="k3", choices=list(ARCHS),
-                        help="k3 (nested config, MXFP4 experts, AttnRes) or kimi_linear (flat config, BF16)")
-    parser.add_argument("--seed", type=int, default=0, help="weights are a pure function of the seed (default 0)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="number of layers (>= 2; layer 0 dense, every 4th and the last MLA)")
-    parser.add_argument("--experts", type=int, default=None,
-                        help="routed experts per MoE layer (>= the preset's top-k)")
-    parser.add_argument("--force", action="store_true", help="write into a folder that holds other files")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (shards, sizes) and write nothing")
-
-
-def _printer():
-    try:
-        from rich.console import Console
-
-        console = Console(stderr=True, highlight=False, soft_wrap=True)
-        return lambda msg: console.print(msg, markup=False)
-    except ImportError:  # pragma: no cover - rich is a dependency
-        return lambda msg: print(msg, file=sys.stderr, flush=True)
-
-
-def run(args) -> int:
-    """`k3 synth` entry point; returns the exit code (0)."""
-    say = _printer()
-    if getattr(args, "dry_run", False):
-        plan = make_plan(args.preset, args.arch, args.seed, args.layers, args.experts)
-        say(plan.cfg.summary().replace("<synth", "synth").replace(">", ""))
-        for name, sh in zip(plan.shard_names, plan.shards):
-            n = sum(len(it.tensors) if isinstance(it, _Expert) else 1 for it in sh)
-            say(f"  {name}: {n} tensors, {sum(it.nbytes for it in sh) / 1e6:.1f} MB")
-        say(f"total {plan.total_bytes / 1e6:.1f} MB in {len(plan.shards)} shards")
-        return 0
-    synthesize(args.out, preset=args.preset, arch=args.arch, seed=args.seed, layers=args.layers,
-               experts=args.experts, force=getattr(args, "force", False), progress=say)
-    return 0
-
-
-def main(argv=None) -> int:
-    """`python -m k3.synth ...` is `k3 synth ...`."""
-    from .cli import main as k3_main
-
-    return k3_main(["synth", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def describe_plan(preset: str = "tiny", arch: str = "k3", seed: int = 0, layers: int | None = None,
+                  experts: int | None = None) -> list[str]:
+    """What `synthesize` would write (`k3 synth --dry-run`): one line per shard."""
+    plan = make_plan(preset, arch, seed, layers, experts)
+    out = [plan.cfg.summary().replace("<synth", "synth").replace(">", "")]
+    for name, sh in zip(plan.shard_names, plan.shards):
+        n = sum(len(it.tensors) if isinstance(it, _Expert) else 1 for it in sh)
+        out.append(f"  {name}: {n} tensors, {sum(it.nbytes for it in sh) / 1e6:.1f} MB")
+    out.append(f"total {plan.total_bytes / 1e6:.1f} MB in {len(plan.shards)} shards")
+    return out

@@ -1,5 +1,5 @@
 """Kimi's tiktoken BPE tokenizer, built from a model folder's `tiktoken.model` and
-`tokenizer_config.json` (spec 5).
+`tokenizer_config.json` (docs/MODEL.md §5).
 
 * `tiktoken.model`: one `base64(token bytes) rank` line per mergeable token.
 * 256 special ids follow the last rank; their names come from
@@ -23,11 +23,11 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import json
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from .errors import UsageError
+from .fsutil import read_json_object
 
 PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -119,12 +119,7 @@ class Tokenizer:
         self.config: dict = {}
         cfg_path = d / TOKENIZER_CONFIG
         if cfg_path.is_file():
-            try:
-                tc = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(f"{cfg_path}: not readable JSON ({e}).") from None
-            if not isinstance(tc, dict):
-                raise UsageError(f"{cfg_path}: expected a JSON object.")
+            tc = read_json_object(cfg_path)
             self.config = tc
             for k, v in (tc.get("added_tokens_decoder") or {}).items():
                 try:

@@ -164,6 +164,15 @@ def test_usage_errors(good):
     assert_refused(k3("run", good / "nope", "--ids", "1"), 2, "not a folder")
 
 
+def test_output_path_in_missing_folder_refused_before_running(good, tmp_path):
+    missing = tmp_path / "no-such-folder"
+    for flag in ("--out", "--dump-logits", "--save-state"):
+        r = k3("run", good, "--ids", PROMPT, "--gen", 1, flag, missing / "x.bin")
+        assert_refused(r, 2, flag, "does not exist")
+        assert r.stdout == ""  # nothing was generated
+    assert not missing.exists()
+
+
 @pytest.mark.parametrize("name", ["no_layermap", "bad_layer_index", "bad_topk"])
 def test_fixture_configs_refused(name):
     """kimi-k3-in-c's broken configs: each is a valid config with one field mutated."""

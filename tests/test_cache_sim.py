@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from k3.cli import main as k3_main
 from k3.errors import UsageError
-from k3.memory.cache_sim import capacities, load_trace, main, next_use, simulate
+from k3.memory.cache_sim import capacities, load_trace, next_use, simulate
 
 from k3fixtures import FIXTURES
 
@@ -113,6 +114,11 @@ def test_belady_never_below_lru_random_capacities(trace):
     sub = trace[:20_000]
     for c in (16, 100, 700, 2000):
         assert simulate(sub, c, "belady")["hits"] >= simulate(sub, c, "lru")["hits"]
+
+
+def main(argv) -> int:
+    """`k3 cache-sim ARGS...` in process."""
+    return k3_main(["cache-sim", *argv])
 
 
 def test_cli_table_and_json(capsys):

@@ -14,11 +14,12 @@ import torch
 
 from k3.chat import ChatSession, read_history, write_jsonl_atomic
 from k3.chat_format import JinjaFormat, K3Format, render_k3
-from k3.engine import generate, load_model
 from k3.errors import UsageError
+from k3.model.stack import Observer
 from k3.sampling import SamplingSettings
 from k3.synth import synthesize
-from k3.tokenizer import Tokenizer
+
+from engines import greedy_ids, open_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,20 +33,23 @@ def k3dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k3(k3dir):
-    return load_model(k3dir), Tokenizer(k3dir)
+    with open_engine(k3dir) as eng:
+        assert eng.tokenizer is not None
+        yield eng, eng.tokenizer
 
 
-def reprefill(model, prompt, n):
+def reprefill(eng, prompt, n):
     """Greedy answer from a fresh state over the whole transcript."""
-    return [s.token for s in generate(model, prompt, n, incremental=True)]
+    return greedy_ids(eng, prompt, n, incremental=True)
 
 
 def test_retained_state_equals_reprefill(k3):
-    model, tok = k3
-    s = ChatSession(model, tok, K3Format(tok), system="Be brief.", max_tokens=6)
+    eng, tok = k3
+    model = eng.model
+    s = ChatSession(eng, K3Format(tok), system="Be brief.", max_tokens=6)
     for q in ["Hello there!", "What is 2+2?", "Thanks, bye <|open|>"]:
         res = s.send(q)
-        assert reprefill(model, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
+        assert reprefill(eng, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
     # the carried state is the state a re-prefill of the fed tokens gives
     fresh = model.new_state()
     want = model.forward(s.seq, fresh)
@@ -70,9 +74,9 @@ def scripted(session, ids):
 
 
 def test_complete_answer_is_kept_canonically(k3):
-    model, tok = k3
+    eng, tok = k3
     fmt = K3Format(tok, thinking_effort=None)
-    s = ChatSession(model, tok, fmt, max_tokens=100)
+    s = ChatSession(eng, fmt, max_tokens=100)
     answer = render_k3([{"role": "assistant", "reasoning_content": "Let me think.", "content": "Hi!"}],
                        add_generation_prompt=False, preamble=False)
     gen = render_k3([], preamble=False)  # what the prompt already opened
@@ -91,9 +95,9 @@ def test_complete_answer_is_kept_canonically(k3):
 
 
 def test_cut_answers_are_closed_and_the_session_goes_on(k3):
-    model, tok = k3
+    eng, tok = k3
     fmt = K3Format(tok, thinking_effort=None)
-    s = ChatSession(model, tok, fmt, max_tokens=5)
+    s = ChatSession(eng, fmt, max_tokens=5)
     res = s.send("Tell me a long story")
     assert res.stop == "max_tokens" and len(res.tokens) == 5
     assert s.seq[-1] == tok.token_id("<|end_of_msg|>") and s.messages[-1]["stopped"] == "max_tokens"
@@ -101,7 +105,7 @@ def test_cut_answers_are_closed_and_the_session_goes_on(k3):
     assert s.seq == s.seq[:res.prompt_len] + res.tokens + closing
     assert tok.decode(closing).startswith("<|close|>think<|sep|><|open|>response<|sep|>")
     res2 = s.send("Go on")
-    assert reprefill(model, s.seq[:res2.prompt_len], len(res2.tokens)) == res2.tokens
+    assert reprefill(eng, s.seq[:res2.prompt_len], len(res2.tokens)) == res2.tokens
 
 
 def _parsed(fmt, tokens):
@@ -111,41 +115,47 @@ def _parsed(fmt, tokens):
     return p
 
 
-def _interrupt_at(model, forward_no, layer=2):
-    """Make the model raise KeyboardInterrupt inside forward call `forward_no`."""
-    orig = model.forward
-    count = {"n": 0}
+class InterruptAt(Observer):
+    """Raises KeyboardInterrupt at layer `layer` of forward pass `forward_no` (counted
+    from 1 since it was installed): a Ctrl-C taking effect at a layer boundary."""
 
-    def forward(ids, state=None, **kw):
-        count["n"] += 1
-        if count["n"] == forward_no:
-            def hook(i):
-                if i == layer:
-                    raise KeyboardInterrupt
-            model.on_layer = hook
-            try:
-                return orig(ids, state, **kw)
-            finally:
-                model.on_layer = None
-        return orig(ids, state, **kw)
+    def __init__(self, forward_no, layer=2):
+        self.forward_no, self.layer = forward_no, layer
+        self.passes = 0
+        self.raised = False
 
-    model.forward = forward
-    return lambda: model.__dict__.pop("forward", None)
+    def on_layer(self, i):
+        if i == 0:
+            self.passes += 1
+        if self.passes == self.forward_no and i == self.layer:
+            self.raised = True
+            raise KeyboardInterrupt
+
+
+def _interrupt_at(session, forward_no, layer=2):
+    """Make forward pass `forward_no` of the session's next turn raise KeyboardInterrupt
+    at a layer boundary (the session's observer watches every layer of every pass)."""
+    obs = session.observer = InterruptAt(forward_no, layer)
+
+    def undo():
+        session.observer = None
+        assert obs.raised, "the interrupt was never raised"
+    return undo
 
 
 def test_ctrl_c_mid_answer_and_during_prefill(k3):
-    model, tok = k3
+    eng, tok = k3
     fmt = K3Format(tok, thinking_effort=None)
-    s = ChatSession(model, tok, fmt, max_tokens=8)
+    s = ChatSession(eng, fmt, max_tokens=8)
     s.send("First question")
     before_seq, before_ids = list(s.seq), list(s.state.ids)
-    undo = _interrupt_at(model, 1)  # during the prefill of the next message
+    undo = _interrupt_at(s, 1)  # during the prefill of the next message
     try:
         res = s.send("This one is dropped")
     finally:
         undo()
     assert res.stop == "dropped" and s.seq == before_seq and s.state.ids == before_ids and len(s.messages) == 2
-    undo = _interrupt_at(model, 4)  # in the middle of the answer
+    undo = _interrupt_at(s, 4)  # in the middle of the answer
     try:
         res = s.send("Second question")
     finally:
@@ -155,50 +165,55 @@ def test_ctrl_c_mid_answer_and_during_prefill(k3):
     assert s.seq[res.prompt_len:] == res.tokens + fmt.closing_ids(_parsed(fmt, res.tokens))
     res3 = s.send("Third question")
     # the answer equals a re-prefill of the transcript before it
-    assert reprefill(model, s.seq[:res3.prompt_len], len(res3.tokens)) == res3.tokens
+    assert reprefill(eng, s.seq[:res3.prompt_len], len(res3.tokens)) == res3.tokens
 
 
 def test_real_sigint_stops_at_a_layer_boundary(k3):
     import signal
 
-    model, tok = k3
+    eng, tok = k3
+    model = eng.model
     fmt = K3Format(tok, thinking_effort=None)
-    s = ChatSession(model, tok, fmt, max_tokens=8)
+    s = ChatSession(eng, fmt, max_tokens=8)
     s.send("First question")
     layers = {"n": 0}
 
-    def send_sigint_at(n, times=1):
-        def hook(i):
-            layers["n"] += 1
-            if layers["n"] == n:
-                for _ in range(times):
-                    os.kill(os.getpid(), signal.SIGINT)
-        return hook
+    class SendSigint(Observer):
+        """Sends itself SIGINT (`times` times) at the n-th layer boundary of the turn."""
 
-    model.on_layer = send_sigint_at(3)  # inside the prefill of the next message
+        def __init__(self, n, times=1):
+            self.n, self.times = n, times
+
+        def on_layer(self, i):
+            layers["n"] += 1
+            if layers["n"] == self.n:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    s.observer = SendSigint(3)  # inside the prefill of the next message
     try:
         before = list(s.seq)
         res = s.send("dropped")
         assert res.stop == "dropped" and s.seq == before
         layers["n"] = 0
-        model.on_layer = send_sigint_at(model.n_layers * 3 + 2)  # inside the 4th forward
+        s.observer = SendSigint(model.n_layers * 3 + 2)  # inside the 4th forward
         res = s.send("Second question")
         assert res.stop == "interrupted" and len(res.tokens) == 3
         layers["n"] = 0
-        model.on_layer = send_sigint_at(model.n_layers + 1, times=2)  # a second Ctrl-C raises at once
+        s.observer = SendSigint(model.n_layers + 1, times=2)  # a second Ctrl-C raises at once
         res = s.send("Third question")
         assert res.stop == "interrupted" and len(res.tokens) == 1
     finally:
-        model.on_layer = None
+        s.observer = None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert s.state.ids == s.seq[:len(s.state.ids)]
     res = s.send("Fourth question")
-    assert reprefill(model, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
+    assert reprefill(eng, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
 
 
 def test_context_limit(k3):
-    model, tok = k3
-    s = ChatSession(model, tok, K3Format(tok, thinking_effort=None), max_tokens=4, max_context=120)
+    eng, tok = k3
+    s = ChatSession(eng, K3Format(tok, thinking_effort=None), max_tokens=4, max_context=120)
     s.send("hi")
     used = len(s.seq)
     with pytest.raises(UsageError, match="context limit is 120"):
@@ -210,19 +225,19 @@ def test_context_limit(k3):
 
 
 def test_seeded_chat_is_reproducible(k3):
-    model, tok = k3
+    eng, tok = k3
     runs = []
     for _ in range(2):
-        s = ChatSession(model, tok, K3Format(tok, thinking=False), sampling=SamplingSettings(1.0, 0.95, 0, 77),
+        s = ChatSession(eng, K3Format(tok, thinking=False), sampling=SamplingSettings(1.0, 0.95, 0, 77),
                         max_tokens=6)
         runs.append([s.send(q).tokens for q in ("a", "b")])
     assert runs[0] == runs[1]
 
 
 def test_history_and_state_resume(k3, tmp_path):
-    model, tok = k3
+    eng, tok = k3
     fmt = K3Format(tok, thinking_effort=None)
-    s = ChatSession(model, tok, fmt, system="sys", max_tokens=5)
+    s = ChatSession(eng, fmt, system="sys", max_tokens=5)
     s.send("one")
     s.send("two")
     h = tmp_path / "h.jsonl"
@@ -230,15 +245,15 @@ def test_history_and_state_resume(k3, tmp_path):
     msgs = read_history(h)
     assert msgs == s.messages and [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
     # resume from messages: the transcript is the canonical rendering, read at the next turn
-    r = ChatSession(model, tok, fmt, max_tokens=5)
+    r = ChatSession(eng, fmt, max_tokens=5)
     r.resume_messages(msgs)
     assert r.seq == fmt.prompt_ids(msgs, add_generation_prompt=False) and r.state.ids == []
     # resume from a state file: identical continuation
     p = tmp_path / "c.st"
     s.save_state(p)
     from k3.state import load_state
-    t = ChatSession(model, tok, fmt, max_tokens=5)
-    t.resume_state(load_state(p, model.cfg, max_positions=t.max_context))
+    t = ChatSession(eng, fmt, max_tokens=5)
+    t.resume_state(load_state(p, eng.cfg, max_positions=t.max_context))
     assert t.messages == s.messages and t.seq == s.seq and t.turn == 2
     assert t.send("three").tokens == s.send("three").tokens
     h.write_text('{"role": "user", "content": "x"}\nnot json\n')
@@ -259,18 +274,19 @@ def test_kimi_linear_chat_retained_equals_reprefill(tmp_path):
     d = tmp_path / "kl"
     synthesize(d, preset="tiny", arch="kimi_linear", seed=31)
     (d / "chat_template.jinja").write_text(KL_TEMPLATE)
-    model, tok = load_model(d), Tokenizer(d)
     from k3.chat_format import chat_format_for
     from k3.config import load_config
-    fmt = chat_format_for(tok, load_config(d))
-    assert isinstance(fmt, JinjaFormat)
-    s = ChatSession(model, tok, fmt, max_tokens=5)
-    for q in ("hi", "more"):
-        before = len(s.seq)
-        res = s.send(q)
-        assert not res.reprefilled and res.prompt_len > before
-        assert reprefill(model, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
-        assert s.seq[-1] == tok.token_id("<|im_end|>")
+    with open_engine(d) as eng:
+        tok = eng.tokenizer
+        fmt = chat_format_for(tok, load_config(d))
+        assert isinstance(fmt, JinjaFormat)
+        s = ChatSession(eng, fmt, max_tokens=5)
+        for q in ("hi", "more"):
+            before = len(s.seq)
+            res = s.send(q)
+            assert not res.reprefilled and res.prompt_len > before
+            assert reprefill(eng, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens
+            assert s.seq[-1] == tok.token_id("<|im_end|>")
 
 
 # ---------------------------------------------------------------- through a pseudo-terminal
@@ -279,7 +295,7 @@ pexpect = pytest.importorskip("pexpect")
 
 def spawn(args, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), K3_CACHE=str(tmp_path / "cache"), TERM="dumb")
-    child = pexpect.spawn(sys.executable, ["-m", "k3.chat", *args], cwd=str(ROOT), env=env, encoding="utf-8",
+    child = pexpect.spawn(sys.executable, ["-m", "k3", "chat", *args], cwd=str(ROOT), env=env, encoding="utf-8",
                           timeout=60, dimensions=(40, 200))
     return child
 

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from k3.doctor import ModelFacts, Report, cmd_doctor, estimate, next_steps, register, run_doctor
+from k3.cli import build_parser
+from k3.cli import main as k3_main
+from k3.commands import doctor as doctor_cmd
+from k3.doctor import ModelFacts, Report, estimate, next_steps, run_doctor
 from k3.probe import ProbeResult, probe_storage
 from k3.synth import synthesize
 
@@ -56,7 +59,7 @@ def test_complete_model(model):
     assert [c for c, _ in rep.next_steps][-1] == f"k3 chat {model}"
     args = argparse.Namespace(model=str(model), trunk=None, no_probe=True, probe_seconds=1.0, probe_dir=None,
                               json=False)
-    assert cmd_doctor(args) == 0
+    assert doctor_cmd.run(args) == 0
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -74,7 +77,7 @@ def test_missing_and_truncated_shards(model, tmp_path, capsys):
     assert "no estimate" in rep.render()
     assert rep.next_steps[0][0].startswith("hf download REPO model-00003-of-000010.safetensors --local-dir")
     args = argparse.Namespace(model=str(d), trunk=None, no_probe=True, probe_seconds=1.0, probe_dir=None, json=True)
-    assert cmd_doctor(args) == 1
+    assert doctor_cmd.run(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["blocking"] and out["next"][-1] == f"k3 doctor {d}"
     shard = d / "model-00005-of-000010.safetensors"
@@ -118,10 +121,15 @@ def test_estimate_for_a_model_larger_than_memory():
 
     mem = {"total": 64 * 10**9, "avail": 60 * 10**9, "preset": "desktop", "planner": planner}
 
-    class Cfg:
-        pass
-
-    facts = ModelFacts(ok=True, cfg=Cfg(), total_bytes=1_560_000_000_000, trunk_bytes=108_810_000_000,
+    # the released K3's config (its real shapes: 93 layers, 896 experts, vocabulary 163840);
+    # the estimate sizes an auto plan with it
+    from k3.config import parse_config
+    from k3.synth import build_config
+    raw = build_config("realdims", "k3", layers=93, experts=896)
+    raw["text_config"]["vocab_size"] = 163840
+    cfg = parse_config(raw, "k3.json")
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size) == (93, 896, 7168)
+    facts = ModelFacts(ok=True, cfg=cfg, total_bytes=1_560_000_000_000, trunk_bytes=108_810_000_000,
                        table_bytes=4_700_000_000, expert_bytes_per_token=25_830_000_000, largest_layer=2_340_000_000,
                        trunk_dir=Path("/m/trunk"), trunk_state="absent")
     probe = ProbeResult("/m", sequential={1: 3000.0}, random={1: 800.0, 4: 1200.0})
@@ -131,6 +139,7 @@ def test_estimate_for_a_model_larger_than_memory():
     want = (108.81e9 - 16e9) / 3000e6 + 25.83e9 / 1200e6
     assert f"expect roughly {want:.1f} s/token" in text
     assert "92.81 GB trunk streamed + 25.83 GB experts" in text
+    assert "with a packed trunk, memory plan:" in text, text  # the auto plan fits 60 GB by streaming the trunk
     next_steps(rep, Path("/m"), facts, preset, resident)
     cmds = [c for c, _ in rep.next_steps]
     assert cmds == ["k3 pack-trunk /m /m/trunk",
@@ -148,18 +157,20 @@ def test_probe_reads_model_files_with_o_direct(tmp_path):
     assert f.stat().st_size == 6 << 20 and [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
 
 
-def test_register_and_cli_entry(model, tmp_path):
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers()
-    register(sub)
-    args = p.parse_args(["doctor", str(model), "--no-probe", "--json"])
-    assert args.fn is cmd_doctor and args.model == str(model)
+def test_command_and_cli_entry(model, tmp_path, capsys):
+    args = build_parser().parse_args(["doctor", str(model), "--no-probe", "--json"])
+    assert args.fn is doctor_cmd.run and args.model == str(model) and args.no_probe and args.json
+    # the command's own checks are usage errors (exit 2), before any work
+    assert k3_main(["doctor", "--probe-seconds", "0"]) == 2
+    assert "--probe-seconds must be > 0" in capsys.readouterr().err
+    assert k3_main(["doctor", "--probe-dir", str(tmp_path / "nope")]) == 2
+    assert "not a folder" in capsys.readouterr().err
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "k3.doctor", "--no-probe", "--json"], cwd=tmp_path, env=env,
+    r = subprocess.run([sys.executable, "-m", "k3", "doctor", "--no-probe", "--json"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["blocking"] == [] and out["memory"]["preset"] and out["versions"]["torch"]
-    r = subprocess.run([sys.executable, "-m", "k3.doctor", str(tmp_path / "nope"), "--no-probe"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "k3", "doctor", str(tmp_path / "nope"), "--no-probe"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "is not a folder" in r.stdout

@@ -9,23 +9,30 @@ import pytest
 import torch
 
 from k3 import synth
-from k3.engine import generate, load_model
 from k3.quant import get_num_threads, set_num_threads
+
+from engines import greedy_ids, open_engine
 
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])
-def model(request, tmp_path_factory):
+def engine(request, tmp_path_factory):
     d = synth.synthesize(tmp_path_factory.mktemp(request.param) / "m", preset="tiny", arch=request.param, seed=3)
-    return load_model(d)
+    with open_engine(d) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def model(engine):
+    return engine.model
 
 
 PROMPT = [5, 17, 99, 300, 42, 7, 1000, 12, 64, 3, 250, 77, 31, 8, 500, 2, 9, 600, 11, 13,
           14, 15, 16, 400, 401, 402, 33, 34, 35, 36, 37, 38, 39, 40]  # 34 tokens: chunked KDA prefill
 
 
-def test_incremental_equals_full_recompute(model):
-    full = [s.token for s in generate(model, PROMPT, 12)]
-    inc = [s.token for s in generate(model, PROMPT, 12, incremental=True)]
+def test_incremental_equals_full_recompute(engine):
+    full = greedy_ids(engine, PROMPT, 12, incremental=False)
+    inc = greedy_ids(engine, PROMPT, 12, incremental=True)
     assert full == inc
     assert len(set(full)) > 1, "degenerate model: constant output"
 
@@ -58,11 +65,12 @@ def test_thread_count_does_not_change_results(model):
         set_num_threads(before_n)
 
 
-def test_layers_limits_the_stack(model):
+def test_layers_limits_the_stack(engine, model):
     n = model.cfg.num_hidden_layers
-    short = load_model(model.provider.index.model_dir, n_layers=2)
-    assert short.n_layers == 2 and len(short.new_state().layers) == 2
-    assert not torch.equal(short.forward(PROMPT), model.forward(PROMPT))
+    with open_engine(engine.model_dir, layers=2) as short_eng:
+        short = short_eng.model
+        assert short.n_layers == 2 and len(short.new_state().layers) == 2
+        assert not torch.equal(short.forward(PROMPT), model.forward(PROMPT))
     assert n > 2
 
 

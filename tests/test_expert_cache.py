@@ -3,7 +3,10 @@ direct reads, batch == serial, eviction under pressure, LRU order, a call's own 
 never evicted by that call, accounting identities, refusal below top-k + 1 slots,
 injected read failures (nothing partial published, retry reads it right), trace
 round-trip; and on a synthetic K3 checkpoint, logits bit-identical to the resident
-provider at several cache budgets (full recompute and incremental)."""
+provider at several cache sizes (full recompute and incremental).
+
+The cache takes its slot count from the memory plan; the planner's
+``expert_cache_slots`` turns a byte budget into slots (and refuses fewer than top-k + 1)."""
 
 from __future__ import annotations
 
@@ -17,15 +20,17 @@ import torch
 from k3 import synth
 from k3.checkpoint.io import FaultHook, ShardFiles
 from k3.checkpoint.safetensors import read_header
-from k3.engine import load_model
 from k3.errors import K3Error, ReadError, UsageError
+from k3.memory import planner
 from k3.memory.cache_sim import load_trace
 import k3.memory.expert_cache as ec
-from k3.memory.expert_cache import (ExpertCache, _span_of, expert_cache_min_bytes, expert_cache_slots,
-                                    expert_slot_bytes, locate_expert)
+from k3.memory.expert_cache import ExpertCache, _span_of, expert_slot_bytes, locate_expert
+from k3.memory.planner import expert_cache_slots
+from k3.memory.streaming import model_sizes
 from k3.model.stack import Model
 from k3.model.weights import Mxfp4Weight
 
+from engines import open_engine
 from k3fixtures import FIXTURES
 
 SHARD = FIXTURES / "cache" / "model-00001-of-00001.safetensors"
@@ -51,6 +56,13 @@ class FixtureLayout:
     def expert_tensors(self, layer, e):
         assert layer == 0
         return {rel: self.h[self.name(self.remap.get((e, rel), e), rel)] for rel in RELS}
+
+
+def fixture_sizes(lay) -> planner.ModelSizes:
+    """The planner's view of the fixture: one MoE layer of 24 experts, top-k 4."""
+    return planner.ModelSizes(layer_bytes=(0,), table_bytes=0, head_bytes=0, slot_bytes=expert_slot_bytes(lay),
+                              expert_bytes=sum(ti.nbytes for ti in lay.expert_tensors(0, 0).values()),
+                              moe_layers=1, experts=lay.n_experts, top_k=lay.cfg.num_experts_per_token)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +101,7 @@ def check(got: dict, truth, lay=None):
 
 
 def cache(lay, slots, **kw):
-    return ExpertCache(lay, slots * expert_slot_bytes(lay), **kw)
+    return ExpertCache(lay, slots, **kw)
 
 
 def accounting(st):
@@ -110,27 +122,36 @@ def test_fixture_is_awkward_and_slot_arithmetic_exact(lay):
     assert spans == {4096, 8192}
     assert all(_span_of(lay.expert_tensors(0, e)) == locs[e].span for e in range(24))  # some experts straddle a page boundary
     assert expert_slot_bytes(lay) == 8192
-    assert expert_cache_min_bytes(lay) == (TOPK + 1) * 8192
+    sizes = fixture_sizes(lay)
+    assert sizes.slot_bytes == 8192 and sizes.routed_experts == 24
     for budget, n in [(5 * 8192, 5), (5 * 8192 + 8191, 5), (11 * 8192, 11), (10**9, 24)]:
-        c = ExpertCache(lay, budget)
-        assert c.n_slots == n == expert_cache_slots(lay, budget) and c.slot_bytes == 8192 and c.arena_bytes == n * 8192
+        assert expert_cache_slots(sizes, budget) == n
+        c = ExpertCache(lay, expert_cache_slots(sizes, budget))
+        assert c.n_slots == n and c.slot_bytes == 8192 and c.arena_bytes == n * 8192
         assert c.max_experts_per_call == n - 1
         c.close()
 
 
 def test_refuses_budget_below_topk_plus_one(lay):
-    with pytest.raises(K3Error):
-        expert_cache_slots(lay, 5 * 8192 - 1)
+    sizes = fixture_sizes(lay)
     with pytest.raises(K3Error) as ei:
-        ExpertCache(lay, 5 * 8192 - 1)
+        expert_cache_slots(sizes, 5 * 8192 - 1)
     e = ei.value
     assert e.exit_code == 1
     msg = str(e)
     assert "holds 4 slots" in msg and "top-k + 1 = 5 slots" in msg and "Raise --cache-gb to at least" in msg
     gb = float(msg.split("at least ")[1].split(" GB")[0])
-    ExpertCache(lay, int(round(gb * 1e9))).close()  # the suggested figure is enough
-    with pytest.raises(UsageError):
-        ExpertCache(lay, -1)
+    n = expert_cache_slots(sizes, int(round(gb * 1e9)))  # the suggested figure is enough
+    assert n >= TOPK + 1
+    ExpertCache(lay, n).close()
+    # the cache itself refuses fewer slots than the plan allows
+    for n in (TOPK, 0, -1):
+        with pytest.raises(ValueError, match="top-k \\+ 1 = 5 slots"):
+            ExpertCache(lay, n)
+    # a negative or zero --cache-gb never reaches the planner
+    for bad in (-1, 0):
+        with pytest.raises(UsageError):
+            planner.Budgets(cache_gb=bad).check()
 
 
 # ---------------------------------------------------------------- bytes
@@ -209,6 +230,23 @@ def test_call_size_and_argument_checks(lay):
         assert list(got) == [7, 8]
         st = c.stats()
         assert (st["requests"], st["hits"], st["misses"]) == (3, 1, 2)
+
+
+def test_groups_hand_out_every_id_once_in_bounded_groups(lay, truth):
+    """What the MoE math asks for: any number of distinct ids, in groups of at most
+    max_experts_per_call, each group's bytes right while it is the latest."""
+    with cache(lay, 5) as c:
+        ids = [3, 9, 0, 17, 22, 5, 11, 14, 2, 20]
+        seen, sizes = [], []
+        for g in c.groups(0, ids):
+            sizes.append(len(g))
+            check(g, truth, lay)
+            seen += list(g)
+        assert seen == ids and sizes == [4, 4, 2]
+        st = c.stats()
+        assert (st["requests"], st["misses"]) == (10, 10) and st["evictions"] == 10 - 5
+        accounting(st)
+        assert list(c.groups(0, [])) == []
 
 
 def test_step_statistics(lay):
@@ -352,13 +390,13 @@ def test_trace_round_trip(lay, tmp_path):
 
 # ---------------------------------------------------------------- the model over the cache
 class CachedProvider:
-    """Trunk and globals from ResidentWeights, routed experts from an ExpertCache."""
+    """Trunk and globals from the reference engine's provider (trunk held in RAM), routed
+    experts from an ExpertCache of its own."""
 
     def __init__(self, resident, cache):
         self.config = resident.config
         self.r = resident
         self.cache = cache
-        self.max_experts_per_call = cache.max_experts_per_call
 
     def global_weight(self, name):
         return self.r.global_weight(name)
@@ -372,14 +410,18 @@ class CachedProvider:
     def release_layer(self, i):
         pass
 
-    def experts(self, i, ids):
-        return self.cache.experts(i, ids)
+    def expert_groups(self, i, ids):
+        return self.cache.groups(i, ids)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The reference engine: trunk held in RAM, an expert cache holding every routed expert."""
     d = synth.synthesize(tmp_path_factory.mktemp("tinyk3") / "m", preset="tiny", arch="k3", seed=11)
-    return load_model(d)
+    with open_engine(d) as eng:
+        assert eng.plan.trunk is None
+        assert eng.provider.cache.n_slots == model_sizes(eng.provider.layout).routed_experts
+        yield eng
 
 
 PROMPT = [5, 17, 99, 300, 42, 7, 1000, 12, 64, 3, 250, 77, 31, 8, 500, 2, 9, 600, 11, 13]
@@ -399,22 +441,23 @@ def test_synth_layout_is_contiguous_and_quantized(tiny):
 @pytest.mark.parametrize("slots", ["min", 9, "all"])
 def test_logits_bit_identical_to_resident(tiny, slots):
     res = tiny.provider
+    ref_model = tiny.model
     lay = res.layout
     topk = lay.cfg.num_experts_per_token
     n = {"min": topk + 1, "all": 10**6}.get(slots, slots)
-    c = ExpertCache(lay, n * expert_slot_bytes(lay), io_threads=3)
+    c = ExpertCache(lay, expert_cache_slots(model_sizes(lay), n * expert_slot_bytes(lay)), io_threads=3)
     assert c.n_slots == min(n, sum(lay.cfg.is_moe(i) for i in range(lay.n_layers)) * lay.cfg.num_experts)
     m = Model(CachedProvider(res, c))
     # full recompute, twice (the second pass runs on a warm cache)
-    ref = tiny.forward(PROMPT, last_only=False)
+    ref = ref_model.forward(PROMPT, last_only=False)
     for _ in range(2):
         assert torch.equal(m.forward(PROMPT, last_only=False), ref)
     # incremental: prefill then single tokens
-    st_ref, st = tiny.new_state(), m.new_state()
-    a = [tiny.forward(PROMPT[:12], st_ref, last_only=False)]
+    st_ref, st = ref_model.new_state(), m.new_state()
+    a = [ref_model.forward(PROMPT[:12], st_ref, last_only=False)]
     b = [m.forward(PROMPT[:12], st, last_only=False)]
     for t in PROMPT[12:]:
-        a.append(tiny.forward([t], st_ref))
+        a.append(ref_model.forward([t], st_ref))
         b.append(m.forward([t], st))
     assert torch.equal(torch.cat(a), torch.cat(b))
     s = c.stats()

@@ -170,8 +170,8 @@ class _OneLayer:
         self.i = i
         self.w = w
 
-    def experts(self, i, ids):
-        return DictWeights(self.config, {f"layers.{i}.{k}": v for k, v in self.w.items()}).experts(i, ids)
+    def expert_groups(self, i, ids):
+        return DictWeights(self.config, {f"layers.{i}.{k}": v for k, v in self.w.items()}).expert_groups(i, ids)
 
 
 def test_moe(cfg):

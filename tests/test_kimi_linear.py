@@ -4,7 +4,7 @@ A tiny random `KimiLinearForCausalLM` (fla hidden, fp32, eval) is the oracle. It
 are written in the released Moonshot layout (safetensors names as `save_pretrained`
 writes them, except the dense layer, see `moonshot_tensors`) together with a
 `config.json` in the released flat Kimi-Linear format that we write ourselves. k3
-loads that folder with `k3.engine.load_model` and must reproduce transformers' logits,
+loads that folder with `k3.load` and must reproduce transformers' logits,
 per-position argmax (teacher forcing) and greedy tokens (full recompute and
 incremental decode).
 
@@ -202,9 +202,21 @@ def built(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def k3_models(built):
-    engine = pytest.importorskip("k3.engine")
-    return {kind: engine.load_model(d) for kind, d in built.dirs.items()}
+def k3_engines(built):
+    from engines import open_engine
+    engines = {}
+    try:
+        for kind, d in built.dirs.items():
+            engines[kind] = open_engine(d)
+        yield engines
+    finally:
+        for eng in engines.values():
+            eng.close()
+
+
+@pytest.fixture(scope="module")
+def k3_models(k3_engines):
+    return {kind: eng.model for kind, eng in k3_engines.items()}
 
 
 def hf_logits(model, ids) -> torch.Tensor:
@@ -350,7 +362,8 @@ def test_teacher_forcing_logits(built, k3_models, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_full_recompute(built, k3_models, kind):
+def test_greedy_full_recompute(built, k3_models, k3_engines, kind):
+    from engines import greedy_ids
     m = k3_models[kind]
     want, margins = built.hf_greedy[kind]
     ids, got = list(built.prompt), []
@@ -360,10 +373,12 @@ def test_greedy_full_recompute(built, k3_models, kind):
         got.append(tok)
         ids.append(tok)
     assert got == want, f"{kind}: smallest top-2 margin on the reference path {min(margins):.3g}"
+    # and through the engine's decode loop
+    assert greedy_ids(k3_engines[kind], built.prompt, N_GEN, incremental=False) == want
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_incremental(built, k3_models, kind):
+def test_greedy_incremental(built, k3_models, k3_engines, kind):
     """Prefill once, then one token at a time with carried KDA/conv state and MLA KV;
     each step's logits also match transformers' full recompute of that prefix."""
     m = k3_models[kind]
@@ -382,3 +397,6 @@ def test_greedy_incremental(built, k3_models, kind):
         lg = m.forward([tok], st)
     assert got == want
     assert st.position == len(ids)
+    # and through the engine's decode loop
+    from engines import greedy_ids
+    assert greedy_ids(k3_engines[kind], built.prompt, N_GEN, incremental=True) == want

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from k3.engine import generate, greedy, load_model
+from k3.commands.common import add_sampling_args, sampling_from_args
+from k3.engine import greedy
 from k3.errors import K3Error, UsageError
-from k3.sampling import (Sampler, SamplingSettings, add_sampling_args, generation_defaults, sampler_from_args,
-                         settings_from_args)
+from k3.sampling import Sampler, SamplingSettings, generation_defaults, resolve
 from k3.synth import synthesize
+from k3.units import GB
+
+from engines import open_engine
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,9 @@ def kldir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(k3dir):
-    return load_model(k3dir)
+def engine(k3dir):
+    with open_engine(k3dir) as eng:
+        yield eng
 
 
 def parse(argv):
@@ -97,73 +101,92 @@ def test_bad_logits_and_settings():
 
 def test_generation_config_defaults(k3dir, kldir, tmp_path):
     assert generation_defaults(k3dir) == {"do_sample": True, "temperature": 1.0, "top_p": 0.95}
-    s = settings_from_args(parse(["--seed", "5"]), k3dir)
+    s = sampling_from_args(parse(["--seed", "5"]), k3dir)
     assert (s.temperature, s.top_p, s.top_k, s.seed) == (1.0, 0.95, 0, 5) and "generation_config" in s.source
-    assert settings_from_args(parse([]), kldir) is None  # no do_sample: greedy
-    assert settings_from_args(parse(["--seed", "5"]), kldir) is None  # a seed alone does not switch sampling on
-    assert settings_from_args(parse([]), tmp_path) is None  # no generation_config.json: greedy
-    assert sampler_from_args(parse(["--greedy"]), k3dir) is None
-    assert sampler_from_args(parse(["--temperature", "0"]), k3dir) is None
-    s = settings_from_args(parse(["--top-k", "40", "--seed", "1"]), kldir)
+    assert sampling_from_args(parse([]), kldir) is None  # no do_sample: greedy
+    assert sampling_from_args(parse(["--seed", "5"]), kldir) is None  # a seed alone does not switch sampling on
+    assert sampling_from_args(parse([]), tmp_path) is None  # no generation_config.json: greedy
+    assert sampling_from_args(parse(["--greedy"]), k3dir) is None
+    assert sampling_from_args(parse(["--temperature", "0"]), k3dir) is None
+    s = sampling_from_args(parse(["--top-k", "40", "--seed", "1"]), kldir)
     assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 40)
-    s = settings_from_args(parse(["--temperature", "0.6", "--seed", "2"]), k3dir)
+    s = sampling_from_args(parse(["--temperature", "0.6", "--seed", "2"]), k3dir)
     assert (s.temperature, s.top_p) == (0.6, 0.95) and s.source.startswith("flags over")
-    fresh = settings_from_args(parse([]), k3dir)
+    fresh = sampling_from_args(parse([]), k3dir)
     assert fresh is not None and 0 <= fresh.seed < 2**31 and "--seed" in fresh.source
     assert "seed" in fresh.describe() and "top-p 0.95" in fresh.describe()
     with pytest.raises(UsageError, match="--greedy"):
-        settings_from_args(parse(["--greedy", "--top-p", "0.5"]), k3dir)
+        sampling_from_args(parse(["--greedy", "--top-p", "0.5"]), k3dir)
     with pytest.raises(UsageError, match="top-p"):
-        settings_from_args(parse(["--top-p", "2"]), k3dir)
+        sampling_from_args(parse(["--top-p", "2"]), k3dir)
     (tmp_path / "generation_config.json").write_text("{broken")
     with pytest.raises(UsageError, match="generation_config.json"):
-        settings_from_args(parse([]), tmp_path)
+        sampling_from_args(parse([]), tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": 7, "temperature": 0.5}))
-    s = settings_from_args(parse(["--seed", "0"]), tmp_path)
+    s = sampling_from_args(parse(["--seed", "0"]), tmp_path)
     assert (s.temperature, s.top_p, s.top_k) == (0.5, 1.0, 7)
+    # the flags are only a front end to k3.sampling.resolve (the library's entry point)
+    assert resolve(k3dir, seed=5) == sampling_from_args(parse(["--seed", "5"]), k3dir)
+    assert resolve(k3dir, greedy=True) is None and resolve(kldir, seed=5) is None
+    assert resolve(kldir, top_k=40, seed=1) == sampling_from_args(parse(["--top-k", "40", "--seed", "1"]), kldir)
+    with pytest.raises(UsageError, match="--greedy"):
+        resolve(k3dir, greedy=True, top_p=0.5)
 
 
-def _run(model, ids, seed, n=8):
-    return [s.token for s in generate(model, ids, n, incremental=True,
-                                      sampler=SamplingSettings(1.0, 0.95, 0, seed).sampler())]
+def _run(engine, ids, seed, n=8, incremental=True):
+    return [s.token for s in engine.decode(ids, incremental=incremental, max_tokens=n,
+                                           sampler=SamplingSettings(1.0, 0.95, 0, seed).sampler())]
 
 
-def test_seeded_generation_reproducible_across_threads_and_budgets(model, k3dir):
+def small_groups(provider, size: int):
+    """Make `provider` hand out a layer's experts at most `size` at a time (what a
+    small expert cache does); returns the undo."""
+    inner = provider.expert_groups
+    sizes = []
+
+    def expert_groups(i, ids):
+        for group in inner(i, ids):
+            items = list(group.items())
+            for g in range(0, len(items), size):
+                sizes.append(len(items[g:g + size]))
+                yield dict(items[g:g + size])
+
+    provider.expert_groups = expert_groups
+    return sizes, lambda: delattr(provider, "expert_groups")
+
+
+def test_seeded_generation_reproducible_across_threads_and_budgets(engine, k3dir):
     ids = list(range(40, 64))
-    base = _run(model, ids, seed=2024)
-    assert base == _run(model, ids, seed=2024)
-    assert base != _run(model, ids, seed=2025)
+    base = _run(engine, ids, seed=2024)
+    assert base == _run(engine, ids, seed=2024)
+    assert base != _run(engine, ids, seed=2025)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert _run(model, ids, seed=2024) == base
+        assert _run(engine, ids, seed=2024) == base
     finally:
         torch.set_num_threads(old)
     # a bounded provider fetching experts a few at a time (what a small expert cache does)
-    prov = model.provider
-    prev = getattr(prov, "max_experts_per_call", None)
+    sizes, undo = small_groups(engine.provider, 3)
     try:
-        prov.max_experts_per_call = 3
-        assert _run(model, ids, seed=2024) == base
+        assert _run(engine, ids, seed=2024) == base
     finally:
-        prov.max_experts_per_call = prev
+        undo()
+    assert sizes and max(sizes) <= 3 and sizes.count(3) > 0, "the experts were not split into small groups"
     # full recompute gives the same logits, so the same sampled tokens
-    assert [s.token for s in generate(model, ids, 8, incremental=False,
-                                      sampler=SamplingSettings(1.0, 0.95, 0, 2024).sampler())] == base
-    # the budgeted (streaming) provider at several expert-cache budgets, where available
-    try:
-        from k3.config import load_config
-        from k3.memory.streaming import StreamingWeights
-        from k3.model.stack import Model
-    except ImportError:
-        return
-    cfg = load_config(k3dir)
-    tried = 0
-    for budget in (60_000, 200_000, 1 << 30):
-        try:
-            prov = StreamingWeights(cfg, k3dir, cache_budget=budget)
-        except K3Error:  # a budget below one token's working set is refused
-            continue
-        tried += 1
-        assert _run(Model(prov), ids, seed=2024) == base, f"cache budget {budget}"
-    assert tried >= 2
+    assert _run(engine, ids, seed=2024, incremental=False) == base
+    # the engine's generate, with the seed over generation_config.json (temperature 1, top-p 0.95)
+    assert [s.token for s in engine.generate(ids, max_tokens=8, seed=2024)] == base
+    # the plan-built (streaming) provider at several expert-cache budgets: the smallest
+    # allowed (top-k + 1 slots), a few more, and every routed expert of the model
+    cfg = engine.cfg
+    slot = engine.provider.cache.slot_bytes
+    floor = cfg.num_experts_per_token + 1
+    every = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)) * cfg.num_experts
+    assert every > floor + 3
+    with pytest.raises(K3Error, match="cache"):  # below one token's working set: refused
+        open_engine(k3dir, cache_gb=(floor - 0.5) * slot / GB)
+    for slots in (floor, floor + 3, every):
+        with open_engine(k3dir, cache_gb=(slots + 0.5) * slot / GB) as eng:
+            assert eng.provider.cache.n_slots == slots
+            assert _run(eng, ids, seed=2024) == base, f"{slots} expert cache slots"

@@ -8,54 +8,69 @@ import pytest
 import torch
 
 from k3.checkpoint.writer import write_safetensors
-from k3.engine import generate, load_model
 from k3.errors import K3Error
-from k3.state import (FORMAT, StateFileError, load_state, read_state_header, restore, save_state, snapshot)
+from k3.model.stack import Observer
+from k3.state import FORMAT, StateFileError, load_state, read_state_header, save_state
 from k3.synth import synthesize
 
+from engines import greedy_ids, open_engine
+
 
 @pytest.fixture(scope="module")
-def k3model(tmp_path_factory):
+def k3engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("k3")
     synthesize(d, preset="tiny", arch="k3", seed=21)
-    return load_model(d)
+    with open_engine(d) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
-def klmodel(tmp_path_factory):
+def klengine(tmp_path_factory):
     d = tmp_path_factory.mktemp("kl")
     synthesize(d, preset="tiny", arch="kimi_linear", seed=21)
-    return load_model(d)
+    with open_engine(d) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def k3model(k3engine):
+    return k3engine.model
+
+
+@pytest.fixture(scope="module")
+def klmodel(klengine):
+    return klengine.model
 
 
 PROMPT = list(range(100, 130))
 
 
-def _continue(model, state, pending, n=6):
-    return [s.token for s in generate(model, pending, n, incremental=True, state=state)]
+def _continue(eng, state, pending, n=6):
+    return greedy_ids(eng, pending, n, state=state)
 
 
-@pytest.mark.parametrize("which", ["k3model", "klmodel"])
+@pytest.mark.parametrize("which", ["k3engine", "klengine"])
 def test_round_trip_gives_identical_continuation(request, tmp_path, which):
-    model = request.getfixturevalue(which)
+    eng = request.getfixturevalue(which)
+    model = eng.model
     st = model.new_state()
-    out = [s.token for s in generate(model, PROMPT, 5, incremental=True, state=st)]
+    out = greedy_ids(eng, PROMPT, 5, state=st)
     path = tmp_path / "conv.k3state"
     save_state(path, st, model.cfg, pending=out[-1:], extra={"note": "é"})
     loaded = load_state(path, model.cfg, max_positions=100)
     assert loaded.state.ids == st.ids and loaded.pending == out[-1:] and loaded.extra == {"note": "é"}
     assert loaded.tokens == PROMPT + out
-    a = _continue(model, st, out[-1:])
-    b = _continue(model, loaded.state, loaded.pending)
+    a = _continue(eng, st, out[-1:])
+    b = _continue(eng, loaded.state, loaded.pending)
     assert a == b
     # and both equal a fresh run over the whole sequence (re-prefill; full recompute for two steps)
-    assert a == [s.token for s in generate(model, PROMPT + out, 6, incremental=True)]
-    assert a[:2] == [s.token for s in generate(model, PROMPT + out, 2, incremental=False)]
+    assert a == greedy_ids(eng, PROMPT + out, 6, incremental=True)
+    assert a[:2] == greedy_ids(eng, PROMPT + out, 2, incremental=False)
     # a new prompt appended after the saved sequence
     again = load_state(path, model.cfg)
     extra = [7, 8, 9]
-    c = _continue(model, again.state, again.pending + extra, 3)
-    assert c == [s.token for s in generate(model, PROMPT + out + extra, 3, incremental=True)]
+    c = _continue(eng, again.state, again.pending + extra, 3)
+    assert c == greedy_ids(eng, PROMPT + out + extra, 3, incremental=True)
 
 
 def test_empty_and_partial_layer_states(tmp_path, k3model):
@@ -131,7 +146,7 @@ def test_refusals(tmp_path, saved, k3model, klmodel):
     with pytest.raises(StateFileError, match="not a k3 conversation state file"):
         load_state(junk, cfg)
     # a model shard: safetensors, but not a state
-    shard = sorted(k3model.provider.index.shards())[0]
+    shard = sorted(k3model.provider.layout.index.shards())[0]
     with pytest.raises(StateFileError, match="model shard"):
         load_state(shard, cfg)
     # another format version
@@ -202,28 +217,73 @@ def test_save_refuses_inconsistent_state(tmp_path, k3model):
         save_state(tmp_path / "x.st", st, k3model.cfg)
 
 
-def test_snapshot_restore_undoes_an_interrupted_forward(k3model):
-    model = k3model
+class InterruptAt(Observer):
+    """Raises KeyboardInterrupt when layer `at` is done (a Ctrl-C at a layer boundary)."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.calls = []
+
+    def on_layer(self, i):
+        self.calls.append(i)
+        if i == self.at:
+            raise KeyboardInterrupt
+
+
+def test_snapshot_restore_undoes_an_interrupted_forward(k3engine):
+    eng = k3engine
+    model = eng.model
     st = model.new_state()
     model.forward(PROMPT, st)
     ref_state = model.new_state()
     model.forward(PROMPT, ref_state)
-    want = _continue(model, ref_state, [5, 6, 7])
-    snap = snapshot(st)
-    calls = []
-
-    def hook(i):
-        calls.append(i)
-        if i == 5:
-            raise KeyboardInterrupt
-
-    model.on_layer = hook
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            model.forward([5, 6, 7], st)
-    finally:
-        model.on_layer = None
-    assert calls and st.layers[3].length == len(PROMPT) + 3  # layer 3 (MLA) had been extended
-    restore(st, snap)
+    want = _continue(eng, ref_state, [5, 6, 7])
+    snap = st.snapshot()
+    obs = InterruptAt(5)
+    with pytest.raises(KeyboardInterrupt):
+        model.forward([5, 6, 7], st, observer=obs)
+    assert obs.calls == [0, 1, 2, 3, 4, 5]
+    assert st.layers[3].length == len(PROMPT) + 3  # layer 3 (MLA) had been extended
+    st.restore(snap)
     assert st.ids == PROMPT and st.layers[3].length == len(PROMPT)
-    assert _continue(model, st, [5, 6, 7]) == want
+    assert _continue(eng, st, [5, 6, 7]) == want
+
+
+def test_decode_loop_undoes_an_interrupted_forward(k3engine):
+    """engine.decode(undo_on_interrupt=True) restores the state when a forward pass is
+    cut short, in the prefill and in a later step; without it the state is left torn."""
+    eng = k3engine
+    model = eng.model
+    ref_state = model.new_state()
+    want = greedy_ids(eng, PROMPT, 4, state=ref_state)
+    # cut short during the prefill: nothing of the prompt stays in the state
+    st = model.new_state()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in eng.decode(PROMPT, state=st, max_tokens=4, observer=InterruptAt(5), undo_on_interrupt=True):
+            pass
+    assert st.ids == [] and all(getattr(l, "S", None) is None and getattr(l, "k", None) is None for l in st.layers)
+    # cut short at the third step: the state is back to the two steps before it
+    st = model.new_state()
+
+    class Late(InterruptAt):
+        passes = 0
+
+        def on_layer(self, i):
+            if i == 0:
+                self.passes += 1
+            if self.passes == 3:
+                super().on_layer(i)
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for s in eng.decode(PROMPT, state=st, max_tokens=4, observer=Late(5), undo_on_interrupt=True):
+            got.append(s.token)
+    assert got == want[:2]
+    assert st.ids == PROMPT + want[:1] and st.layers[3].length == len(PROMPT) + 1
+    assert _continue(eng, st, want[1:2], 2) == want[2:4]
+    # without undo_on_interrupt the interrupted pass stays half applied
+    st = model.new_state()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in eng.decode(PROMPT, state=st, max_tokens=4, observer=InterruptAt(5)):
+            pass
+    assert st.layers[3].length == len(PROMPT)

@@ -4,7 +4,10 @@ Bit-identical logits and tokens at every expert-cache budget (down to top-k + 1
 slots), trunk budget and ring size (1, 2, 3), pinning order, thread count, with and
 without a packed trunk, ultra-low-memory or not; a run far below the checkpoint size
 stays under its memory plan; a failed read ends the run with exit code 4 and writes
-nothing."""
+nothing.
+
+The engines are opened through k3.load (tests/engines.py) with explicit budgets; the
+budgets are bytes here, passed as GB (`gb` below) and checked to arrive exactly."""
 
 from __future__ import annotations
 
@@ -17,13 +20,12 @@ import pytest
 import torch
 
 from k3 import synth
+from k3.checkpoint.layout import CheckpointLayout
 from k3.config import load_config
-from k3.engine import generate, load_model
-from k3.memory.expert_cache import expert_cache_min_bytes
-from k3.memory.resident import CheckpointLayout
-from k3.memory.streaming import StreamingWeights
-from k3.model.stack import Model
+from k3.memory.streaming import model_sizes
 from k3.quant import get_num_threads, set_num_threads
+
+from engines import greedy_ids, open_engine
 
 PROMPT = [5, 17, 99, 300, 42, 7, 1000, 12, 64, 3, 250, 77, 31, 8, 500, 2, 9, 600, 11, 13,
           14, 15, 16, 400, 401, 402, 33, 34, 35, 36, 37, 38, 39, 40]
@@ -44,30 +46,55 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
+    """The resident engine: trunk held in RAM, every routed expert in the cache."""
     d, _ = ckpt
-    m = load_model(d)
-    return m.forward(PROMPT, last_only=False), [s.token for s in generate(m, PROMPT, 6)]
+    with open_engine(d) as eng:
+        assert eng.plan.trunk is None and not eng.plan.stream_tables
+        assert eng.plan.cache_slots == model_sizes(eng.provider.layout).routed_experts
+        return eng.model.forward(PROMPT, last_only=False), greedy_ids(eng, PROMPT, 6, incremental=False)
 
 
-def streaming_model(d, **kw):
-    cfg = load_config(d)
-    prov = StreamingWeights(cfg, d, **kw)
-    return Model(prov), prov
+def gb(nbytes: int) -> float:
+    """A byte budget as the GB figure k3.load takes (decimal GB); the half byte keeps
+    int(gb * 1e9) from rounding down to nbytes - 1."""
+    return (nbytes + 0.5) / 1e9
 
 
 def layer_sizes(d):
-    from k3.checkpoint.safetensors import CheckpointIndex
-    from k3.runner import layer_run_bytes
+    """The trunk layers' bytes as stored, and the layout."""
     cfg = load_config(d)
-    lay = CheckpointLayout(cfg, CheckpointIndex.open(d))
-    return [layer_run_bytes(lay, i) for i in range(cfg.num_hidden_layers)], lay
+    lay = CheckpointLayout.open(cfg, d)
+    return [lay.layer_nbytes(i) for i in range(cfg.num_hidden_layers)], lay
 
 
-def check_same(model, reference):
+def min_cache_bytes(lay) -> int:
+    """The smallest expert cache: top-k + 1 slots."""
+    sizes = model_sizes(lay)
+    return (sizes.top_k + 1) * sizes.slot_bytes
+
+
+def budgeted(d, *, cache_bytes, trunk=None, trunk_bytes=None, **kw):
+    """An engine with these exact budgets (k3.load; close it)."""
+    extra = {} if trunk_bytes is None else {"trunk_gb": gb(trunk_bytes)}
+    eng = open_engine(d, trunk=trunk, cache_gb=gb(cache_bytes), **extra, **kw)
+    try:
+        assert eng.plan.cache_budget == cache_bytes
+        if trunk is not None:
+            assert eng.plan.trunk_budget == trunk_bytes and eng.plan.trunk.budget_bytes == trunk_bytes
+            assert eng.provider.trunk is not None and eng.provider.trunk.plan is eng.plan.trunk
+        else:
+            assert eng.plan.trunk is None and eng.provider.trunk is None
+    except BaseException:
+        eng.close()
+        raise
+    return eng
+
+
+def check_same(eng, reference):
     ref_logits, ref_tokens = reference
-    assert torch.equal(model.forward(PROMPT, last_only=False), ref_logits)
-    assert [s.token for s in generate(model, PROMPT, 6)] == ref_tokens
-    inc = [s.token for s in generate(model, PROMPT, 6, incremental=True)]
+    assert torch.equal(eng.model.forward(PROMPT, last_only=False), ref_logits)
+    assert greedy_ids(eng, PROMPT, 6, incremental=False) == ref_tokens
+    inc = greedy_ids(eng, PROMPT, 6, incremental=True)
     assert inc == ref_tokens
 
 
@@ -75,14 +102,18 @@ def check_same(model, reference):
 def test_resident_trunk_any_cache_budget(ckpt, reference, cache):
     d, _ = ckpt
     _, lay = layer_sizes(d)
-    lo = expert_cache_min_bytes(lay)
+    lo = min_cache_bytes(lay)
     budget = {"min": lo, "mid": 3 * lo, "all": 10**10}[cache]
-    model, prov = streaming_model(d, cache_budget=budget)
-    check_same(model, reference)
-    st = prov.cache.stats()
-    assert st["requests"] == st["hits"] + st["misses"]
-    if cache == "min":
-        assert st["evictions"] > 0
+    with budgeted(d, cache_bytes=budget) as eng:
+        sizes = model_sizes(lay)
+        assert eng.provider.cache.n_slots == min(budget // sizes.slot_bytes, sizes.routed_experts)
+        assert not eng.plan.stream_tables
+        check_same(eng, reference)
+        st = eng.provider.cache.stats()
+        assert st["requests"] == st["hits"] + st["misses"]
+        if cache == "min":
+            assert eng.provider.cache.n_slots == sizes.top_k + 1
+            assert st["evictions"] > 0
 
 
 @pytest.mark.parametrize("ring", [1, 2, 3])
@@ -92,28 +123,30 @@ def test_streamed_trunk_ring_and_budget(ckpt, reference, ring, frac):
     sizes, lay = layer_sizes(d)
     # frac 0: nothing pinned (ring only); 1: everything fits
     budget = int((ring + 1) * max(sizes) + frac * sum(sizes)) + 1
-    model, prov = streaming_model(d, cache_budget=expert_cache_min_bytes(lay), trunk_dir=trunk,
-                                  trunk_budget=budget, ring=ring)
-    try:
-        check_same(model, reference)
-        ts = prov.trunk.stats()
+    with budgeted(d, cache_bytes=min_cache_bytes(lay), trunk=trunk, trunk_bytes=budget, trunk_ring=ring) as eng:
+        tp = eng.plan.trunk
+        if frac == 1.0:
+            assert tp.ring_slots == 0 and len(tp.pinned) == len(sizes)
+        elif frac == 0.0:
+            assert tp.ring_slots == ring and len(tp.pinned) < len(sizes)
+        check_same(eng, reference)
+        ts = eng.provider.trunk.stats()
         assert ts["bytes_read"] > 0
-    finally:
-        prov.close()
 
 
 @pytest.mark.parametrize("order", ["largest", "prefix"])
-def test_pin_order_and_ultra(ckpt, reference, order):
+def test_pin_order_and_ultra(ckpt, reference, order, monkeypatch):
     d, trunk = ckpt
     sizes, lay = layer_sizes(d)
-    model, prov = streaming_model(d, cache_budget=expert_cache_min_bytes(lay), trunk_dir=trunk,
-                                  trunk_budget=3 * max(sizes) + sum(sizes) // 3, ring=2, pin_order=order,
-                                  ultra=True)
-    try:
-        check_same(model, reference)
-        assert prov.table_bytes() > 0  # embedding rows and lm_head really streamed
-    finally:
-        prov.close()
+    if order == "prefix":
+        monkeypatch.setenv("K3_PIN_PREFIX", "1")
+    else:
+        monkeypatch.delenv("K3_PIN_PREFIX", raising=False)
+    with budgeted(d, cache_bytes=min_cache_bytes(lay), trunk=trunk, trunk_bytes=3 * max(sizes) + sum(sizes) // 3,
+                  trunk_ring=2, ultra_low_memory=True) as eng:
+        assert eng.plan.trunk.order == order and eng.plan.stream_tables
+        check_same(eng, reference)
+        assert eng.provider.table_bytes() > 0  # embedding rows and lm_head really streamed
 
 
 def test_thread_counts(ckpt, reference):
@@ -124,12 +157,10 @@ def test_thread_counts(ckpt, reference):
         for n in (1, 2):
             torch.set_num_threads(n)
             set_num_threads(n)
-            model, prov = streaming_model(d, cache_budget=expert_cache_min_bytes(lay), trunk_dir=trunk,
-                                          trunk_budget=3 * max(sizes), ring=2)
-            try:
-                assert torch.equal(model.forward(PROMPT, last_only=False), reference[0])
-            finally:
-                prov.close()
+            with budgeted(d, cache_bytes=min_cache_bytes(lay), trunk=trunk, trunk_bytes=3 * max(sizes),
+                          trunk_ring=2) as eng:
+                assert torch.get_num_threads() == n and get_num_threads() == n
+                assert torch.equal(eng.model.forward(PROMPT, last_only=False), reference[0])
     finally:
         torch.set_num_threads(before[0])
         set_num_threads(before[1])
@@ -197,14 +228,21 @@ def test_cli_read_failure_exit_4(small, tmp_path):
         assert not o.exists()
 
 
-def test_cli_refusals(small):
+def test_cli_refusals(small, tmp_path):
     d, trunk = small
     r = k3("run", d, "--ids", "5", "--gen", 1, "--cache-gb", "0.0001")
     assert r.returncode == 1 and "top-k + 1" in r.stderr
-    r = k3("run", d, "--ids", "5", "--gen", 1, "--preset", "ultra")
-    assert r.returncode == 2 and "--trunk" in r.stderr
     r = k3("run", d, "--ids", "5", "--gen", 1, "--preset", "nope")
-    assert r.returncode == 2 and "unknown --preset" in r.stderr
+    assert r.returncode == 2 and "unknown preset 'nope'" in r.stderr and "choose one of" in r.stderr
+    assert "Traceback" not in r.stderr
+    # --preset ultra no longer needs --trunk (README, "What changed in 0.2"): the model
+    # tables are streamed and the trunk is held in RAM
+    o = tmp_path / "ultra.json"
+    r = k3("run", d, "--ids", "5", "--gen", 1, "--preset", "ultra", "--out", o)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(o.read_text())
+    assert res["ultra_low_memory"] and res["table_bytes_read"] > 0 and res["trunk"] == {}
+    assert res["memory_plan"]["components"]["trunk (resident)"] > 0
     r = k3("run", "--list-presets")
     assert r.returncode == 0 and "laptop" in r.stdout and "auto" in r.stdout
 
@@ -245,29 +283,38 @@ def test_cli_save_and_load_state_continues_like_one_run(small, tmp_path):
     whole = first + [9, 10]
     assert k3("run", d, "--ids", ",".join(map(str, whole)), "--gen", 3, "--out", c, *base).returncode == 0
     assert json.loads(b.read_text())["full_ids"] == json.loads(c.read_text())["full_ids"]
-    r = k3("run", d, "--ids", "9", "--gen", 1, "--load-state", s)
-    assert r.returncode == 2 and "--incremental" in r.stderr
+    r = k3("run", d, "--ids", "9", "--gen", 1, "--load-state", s, "--full-recompute")
+    assert r.returncode == 2 and "--full-recompute" in r.stderr
+    r = k3("run", d, "--ids", "9", "--gen", 1, "--save-state", tmp_path / "x.k3state", "--full-recompute")
+    assert r.returncode == 2 and "--full-recompute" in r.stderr and not (tmp_path / "x.k3state").exists()
 
 
-def test_kv_refusal_names_both_numbers(ckpt, monkeypatch):
-    """With --incremental, a KV cache above 90% of available memory is refused before
-    anything is allocated, with what it needs and what there is."""
-    import argparse
-
+def test_kv_refusal_names_both_numbers(ckpt):
+    """With incremental decoding, a KV cache above 90% of available memory is refused
+    before anything is allocated, with what it needs and what there is."""
     from k3.errors import UsageError
     from k3.memory import planner
-    from k3.runner import Budgets, build_plan
+    from k3.units import human
 
     d, _ = ckpt
-    sizes, lay = layer_sizes(d)
+    _, lay = layer_sizes(d)
+    sizes = model_sizes(lay)
     per = planner.kv_bytes_per_position(lay.cfg)
-    monkeypatch.setattr(planner, "meminfo", lambda: {"MemAvailable": 1000 * per, "MemTotal": 2000 * per})
-    args = argparse.Namespace(incremental=True, trunk_ring=2)
-    budgets = Budgets(None, 10**6, "custom", False)
+    avail = 1000 * per
+    budgets = planner.Budgets(cache_gb=gb(min_cache_bytes(lay)))
     with pytest.raises(UsageError) as e:
-        build_plan(lay.cfg, lay, budgets, args, 5000, 1, 1, sizes)
+        planner.plan(lay.cfg, sizes, budgets, tokens=5000, incremental=True, available=avail, baseline=1)
     msg = str(e.value)
-    assert "KV cache for 5000 positions" in msg and planner.human(5000 * per) in msg
-    assert planner.human(1000 * per) in msg and e.value.exit_code == 2
-    plan, _ = build_plan(lay.cfg, lay, budgets, args, 100, 1, 1, sizes)  # fits: no refusal
+    assert "KV cache for 5000 positions" in msg and human(5000 * per) in msg
+    assert human(avail) in msg and e.value.exit_code == 2
+    assert "--full-recompute" in msg
+    # 900 positions are 90% of it: still planned (the whole plan may not fit; check() says so)
+    plan = planner.plan(lay.cfg, sizes, budgets, tokens=900, incremental=True, available=avail, baseline=1)
+    assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 900 * per
+    with pytest.raises(UsageError):
+        planner.plan(lay.cfg, sizes, budgets, tokens=901, incremental=True, available=avail, baseline=1)
+    plan = planner.plan(lay.cfg, sizes, budgets, tokens=100, incremental=True, available=avail, baseline=1)
     assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 100 * per
+    # full recompute keeps no KV cache: nothing to refuse
+    plan = planner.plan(lay.cfg, sizes, budgets, tokens=5000, incremental=False, available=avail, baseline=1)
+    assert "KV cache" not in dict((n, b) for n, b, _ in plan.rows)

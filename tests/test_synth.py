@@ -159,7 +159,7 @@ def test_index_lists_every_tensor(which, request):
     assert idx["weight_map"] == on_disk
     assert idx["metadata"]["total_size"] == sum(t.nbytes for t in all_tensors(d).values())
     # and the set is exactly the tensor graph the reader validates against
-    from k3.memory.resident import CheckpointLayout
+    from k3.checkpoint.layout import CheckpointLayout
 
     cfg = load_config(d)
     layout = CheckpointLayout(cfg, CheckpointIndex.open(d))
@@ -484,14 +484,19 @@ def test_option_validation(tmp_path):
 def test_cli_hooks(tmp_path, capsys):
     import argparse
 
+    from k3.cli import build_parser
+    from k3.commands import synth as synth_cmd
+
     ap = argparse.ArgumentParser()
-    synth.add_arguments(ap)
+    synth_cmd.add_arguments(ap)
     args = ap.parse_args([str(tmp_path / "x"), "--preset", "realdims", "--dry-run"])
-    assert synth.run(args) == 0
+    assert synth_cmd.run(args) == 0
     assert not (tmp_path / "x").exists()
+    assert "total" in capsys.readouterr().err  # the plan, on stderr
     args = ap.parse_args([str(tmp_path / "y"), "--arch", "kimi_linear", "--seed", "3", "--layers", "3",
                           "--experts", "8"])
-    assert synth.run(args) == 0
+    assert build_parser().parse_args(["synth", str(tmp_path / "y")]).fn is synth_cmd.run  # `k3 synth`
+    assert synth_cmd.run(args) == 0
     cfg = load_config(tmp_path / "y")
     assert cfg.num_hidden_layers == 3 and cfg.num_experts == 8
     assert json.loads((tmp_path / "y" / "k3_synth.json").read_text())["seed"] == 3
@@ -508,22 +513,31 @@ def _kernels(monkeypatch):
     monkeypatch.setattr(q, "mxfp4_linear", lambda x, p, s: x @ ref_decode(p, s).T, raising=False)
 
 
-class _Routes:
-    def __init__(self):
-        self.used = collections.defaultdict(set)
+def _routes():
+    from k3.model.stack import Observer
 
-    def note_experts(self, layer, ids):
-        self.used[layer].update(ids.flatten().tolist())
+    class Routes(Observer):
+        """The experts each layer's router chose, over the whole run."""
+
+        def __init__(self):
+            self.used = collections.defaultdict(set)
+
+        def on_route(self, layer, ids):
+            self.used[layer].update(ids.flatten().tolist())
+
+    return Routes()
 
 
 def _generate_check(d, n_gen=8):
-    from k3.engine import generate, load_model
+    from engines import open_engine
 
-    model = load_model(d)
-    model.stats = _Routes()
-    cfg = model.cfg
+    routes = _routes()
     prompt = [5, 300, 77, 901, 12, 640]
-    steps = list(generate(model, prompt, n_gen, keep_logits=True))
+    with open_engine(d) as eng:
+        cfg = eng.cfg
+        # greedy, full recompute (the whole prefix re-read every step)
+        steps = list(eng.decode(prompt, incremental=False, max_tokens=n_gen, keep_logits=True, observer=routes))
+    assert len(steps) == n_gen
     logits = torch.stack([s.logits for s in steps])
     toks = [s.token for s in steps]
     assert bool(torch.isfinite(logits).all())
@@ -532,7 +546,9 @@ def _generate_check(d, n_gen=8):
     assert all(t < cfg.vocab_size - 256 for t in toks)  # ordinary tokens, not reserved specials
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe(i):
-            assert len(model.stats.used[i]) > cfg.num_experts_per_token, (i, model.stats.used[i])
+            assert len(routes.used[i]) > cfg.num_experts_per_token, (i, routes.used[i])
+        else:
+            assert i not in routes.used, i  # a dense layer routes nothing
     return toks
 
 

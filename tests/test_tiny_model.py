@@ -13,10 +13,10 @@ import torch
 from k3.checkpoint.writer import write_checkpoint
 from k3.cli import main as k3_main
 from k3.config import parse_config
-from k3.engine import generate, load_model
 from k3.model.stack import Model
 from k3.model.weights import DictWeights
 
+from engines import greedy_ids, open_engine
 from k3fixtures import ref, tiny_model
 
 REF = ref()
@@ -59,17 +59,40 @@ def write_release_format(out, tensors: dict, cfg_dict: dict, transform=None):
     return out
 
 
-def run_gates(model: Model):
+def model_greedy(model: Model, prompt, n: int, incremental: bool) -> list[int]:
+    """The n greedy tokens after `prompt` straight over a Model (an in-memory provider
+    has no engine): full recompute re-reads the whole sequence every step, incremental
+    carries the state and feeds one token a step. Argmax: first index of the maximum."""
+    seq, out = list(prompt), []
+    state = model.new_state() if incremental else None
+    pending = list(prompt)
+    for _ in range(n):
+        logits = model.forward(pending, state) if incremental else model.forward(seq, None)
+        tok = int(torch.argmax(logits.reshape(-1)))
+        out.append(tok)
+        seq.append(tok)
+        pending = [tok]
+    return out
+
+
+def run_gates(model: Model, eng=None):
+    """The three gates over `model`; the two greedy loops run through the engine's
+    decode loop when `eng` (the engine holding `model`) is given."""
     full = REF["full_ids"]
     logits = model.forward(full, last_only=False)
     tf = logits.argmax(-1).tolist()
-    seq = [s.token for s in generate(model, PROMPT, N_GEN)]
-    inc = [s.token for s in generate(model, PROMPT, N_GEN, incremental=True)]
+    if eng is not None:
+        assert eng.model is model
+        seq = greedy_ids(eng, PROMPT, N_GEN, incremental=False)
+        inc = greedy_ids(eng, PROMPT, N_GEN, incremental=True)
+    else:
+        seq = model_greedy(model, PROMPT, N_GEN, incremental=False)
+        inc = model_greedy(model, PROMPT, N_GEN, incremental=True)
     return tf, seq, inc, logits
 
 
-def assert_gates(model: Model):
-    tf, seq, inc, logits = run_gates(model)
+def assert_gates(model: Model, eng=None):
+    tf, seq, inc, logits = run_gates(model, eng)
     assert tf == REF["tf_pred"], "gate 1 (teacher-forced predictions)"
     assert PROMPT + seq == REF["full_ids"], "gate 2 (greedy full recompute)"
     assert PROMPT + inc == REF["full_ids"], "gate 3 (greedy incremental decode)"
@@ -98,22 +121,29 @@ def test_gates_with_each_kda_form(tiny, chunked):
 def test_gates_from_release_format_checkpoint(tiny, tmp_path):
     cfg_dict, tensors, _ = tiny
     d = write_release_format(tmp_path / "tiny", tensors, cfg_dict)
-    model = load_model(d)
-    assert_gates(model)
+    with open_engine(d) as eng:
+        model = eng.model
+        assert_gates(model, eng)
+        want = model.forward(PROMPT).reshape(-1)
     # and through the CLI, which writes the JSON result and the first-step logits
     out, lg = tmp_path / "run.json", tmp_path / "logits.bin"
     ids = ",".join(map(str, PROMPT))
-    assert k3_main(["run", str(d), "--ids", ids, "--gen", str(N_GEN), "--out", str(out),
+    assert k3_main(["run", str(d), "--ids", ids, "--gen", str(N_GEN), "--full-recompute", "--out", str(out),
                     "--dump-logits", str(lg)]) == 0
     res = json.loads(out.read_text())
     assert res["full_ids"] == REF["full_ids"] and res["prompt_ids"] == PROMPT
+    assert res["mode"] == "full_recompute"
     assert len(res["step_seconds"]) == N_GEN and res["seconds_per_token"] > 0
     raw = torch.frombuffer(bytearray(lg.read_bytes()), dtype=torch.float32)
     assert raw.numel() == 256
-    want = model.forward(PROMPT).reshape(-1)
     torch.testing.assert_close(raw, want, atol=0, rtol=0)
     assert k3_main(["run", str(d), "--ids", ids, "--gen", str(N_GEN), "--incremental", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["full_ids"] == REF["full_ids"]
+    res = json.loads(out.read_text())
+    assert res["full_ids"] == REF["full_ids"] and res["mode"] == "incremental"
+    # incremental is the default now
+    assert k3_main(["run", str(d), "--ids", ids, "--gen", str(N_GEN), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["full_ids"] == REF["full_ids"] and res["mode"] == "incremental"
 
 
 def to_release_dtypes(name: str, t: torch.Tensor):
@@ -130,22 +160,25 @@ def to_release_dtypes(name: str, t: torch.Tensor):
     return [(name, t)]
 
 
-def test_release_dtypes_what_changes(tiny, tmp_path, record_property):
+def test_release_dtypes_what_changes(tiny, tmp_path, record_property, request):
     """The same tiny model stored as the release stores K3 (BF16 trunk, MXFP4 experts).
     Rounding the fp32 reference weights changes the model, so the reference tokens
     are not expected; what must hold: the loader gives exactly the in-memory numbers,
     full recompute == incremental, and the change is measured and bounded."""
     cfg_dict, tensors, cfg = tiny
     d = write_release_format(tmp_path / "rel", tensors, cfg_dict, transform=lambda n, t: to_release_dtypes(n, t))
-    loaded = load_model(d)
+    eng = open_engine(d)
+    request.addfinalizer(eng.close)
+    loaded = eng.model
     # experts really are packed on disk
-    w = loaded.provider.experts(1, [0])[0]
+    w = next(loaded.provider.expert_groups(1, [0]))[0]
     assert type(w.w1).__name__ == "Mxfp4Weight" and w.w2.dtype == torch.bfloat16
+    del w  # valid only until the next group is asked for
     conv = {}
     for n, t in tensors.items():
         conv.update(dict(to_release_dtypes(n, t)))
     mem = Model(DictWeights(cfg, conv))
-    tf, seq, inc, logits = run_gates(loaded)
+    tf, seq, inc, logits = run_gates(loaded, eng)
     torch.testing.assert_close(logits, mem.forward(REF["full_ids"], last_only=False), atol=0, rtol=0)
     assert seq == inc, "incremental decode must equal full recompute"
     ref_logits = Model(DictWeights(cfg, tensors)).forward(REF["full_ids"], last_only=False)

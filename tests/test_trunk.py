@@ -1,6 +1,8 @@
 """Packed trunk: pack/verify round trip, refusals, the pin/ring planner (property
 tests), the streamer (byte identity over several passes at ring 1/2/3, slot isolation,
-injected read faults) and a Model over it (bit-identical logits to the resident model)."""
+injected read faults) and a Model over it (bit-identical logits to the resident model).
+The streamer receives its plan from the memory planner (plan_trunk); `streamer` below
+builds one for a budget, as the engine does."""
 
 from __future__ import annotations
 
@@ -17,14 +19,20 @@ from hypothesis import strategies as st
 
 from k3 import synth
 from k3.checkpoint.io import FaultHook, ShardFiles, load_tensor
+from k3.checkpoint.layout import CheckpointLayout
 from k3.checkpoint.safetensors import CheckpointIndex
+from k3.cli import build_parser
+from k3.cli import main as k3_main
 from k3.config import load_config
 from k3.errors import EXIT_CHECKPOINT, EXIT_READ, EXIT_RUNTIME, CheckpointError, K3Error, ReadError
-from k3.memory import trunk as T
-from k3.memory.resident import CheckpointLayout
-from k3.memory.trunk import PackedTrunk, TrunkStreamer, min_budget_for, pack_trunk, plan_trunk
+from k3.memory.planner import min_budget_for, plan_trunk
+from k3.memory.trunk import PackedTrunk, TrunkStreamer, pack_trunk
+from k3.memory.trunk import format as TF
+from k3.memory.trunk import pack as TP
 from k3.model.schema import layer_specs
 from k3.model.stack import Model
+
+from engines import open_engine
 
 MB = 1 << 20
 GB = 10**9
@@ -54,6 +62,13 @@ def small_ref(small):
             for i in range(cfg.num_hidden_layers)]
 
 
+def streamer(pt, budget, ring=2, order="largest", *, n_layers=None, **kw) -> TrunkStreamer:
+    """A TrunkStreamer over the planner's plan for `budget` bytes (the first `n_layers`
+    layers of the packed trunk, all by default)."""
+    n = pt.n_layers if n_layers is None else n_layers
+    return TrunkStreamer(pt, plan_trunk(pt.layer_bytes[:n], budget, ring, order), **kw)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.shape == b.shape
             and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
@@ -69,7 +84,7 @@ def check_layer(w, ref):
 def test_pack_open_round_trip(small, small_ref):
     m, t, cfg, ix = small
     meta = json.loads((t / "trunk.json").read_text())
-    assert meta["format"] == "k3-trunk" and meta["version"] == 1 and meta["align"] == 4096
+    assert meta["format"] == "k3-trunk" and meta["version"] == 2 and meta["align"] == 4096
     assert meta["config_fingerprint"] == cfg.fingerprint()
     assert meta["n_layers"] == cfg.num_hidden_layers == len(meta["layers"])
     off = 0
@@ -84,9 +99,11 @@ def test_pack_open_round_trip(small, small_ref):
     pt = PackedTrunk.open(t, cfg, ix)
     raw = bytearray((t / "trunk.bin").read_bytes())
     for i, L in enumerate(pt.layers):
-        # bytes copied verbatim, zero padding after the run
-        with open(m / L.shard, "rb") as f:
-            f.seek(L.run_start)
+        # the release layout: each layer one run in one shard, copied verbatim, zero padding after it
+        (g,) = L.segments
+        assert g.off == 0 and g.nbytes == L.run_nbytes
+        with open(m / g.shard, "rb") as f:
+            f.seek(g.src_off)
             assert bytes(raw[L.file_off : L.file_off + L.run_nbytes]) == f.read(L.run_nbytes)
         assert bytes(raw[L.file_off + L.run_nbytes : L.file_off + L.nbytes]) == bytes(L.nbytes - L.run_nbytes)
         import numpy as np
@@ -129,11 +146,11 @@ def test_refuses_changed_bytes_under_identical_header(small, tmp_path):
     m1, t1, cfg, ix1 = small
     m2 = tmp_path / "m2"
     shutil.copytree(m1, m2)
-    L = PackedTrunk.open(t1, cfg, ix1).layers[3]
-    with open(m2 / L.shard, "r+b") as f:
-        f.seek(L.run_start)
+    (g,) = PackedTrunk.open(t1, cfg, ix1).layers[3].segments
+    with open(m2 / g.shard, "r+b") as f:
+        f.seek(g.src_off)
         b = f.read(16)
-        f.seek(L.run_start)
+        f.seek(g.src_off)
         f.write(bytes(x ^ 0xFF for x in b))
     ix2 = CheckpointIndex.open(m2)
     _refused(lambda: PackedTrunk.open(t1, cfg, ix2), "layer 3", "differ", "k3 pack-trunk")
@@ -170,7 +187,7 @@ def test_refuses_missing_truncated_damaged(small, tmp_path):
 def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch):
     m, _, cfg, ix = small
     out = tmp_path / "t"
-    real = T._copy_layer
+    real = TP._copy_layer
     calls = []
 
     def dying(reader, src, L, *a):
@@ -179,22 +196,22 @@ def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch
             raise KeyboardInterrupt  # the pack is killed while copying layer 5
         return real(reader, src, L, *a)
 
-    monkeypatch.setattr(T, "_copy_layer", dying)
+    monkeypatch.setattr(TP, "_copy_layer", dying)
     with pytest.raises(KeyboardInterrupt):
         pack_trunk(m, out, progress=False)
     assert (out / "trunk.bin.partial").exists() and not (out / "trunk.json").exists()
     assert not (out / "trunk.bin").exists()
     _refused(lambda: PackedTrunk.open(out, cfg, ix), "interrupted", "k3 pack-trunk")
     # resume: starts at layer 5, the result is a good trunk
-    monkeypatch.setattr(T, "_copy_layer", real)
+    monkeypatch.setattr(TP, "_copy_layer", real)
     calls.clear()
-    monkeypatch.setattr(T, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
     lines = []
     pack_trunk(m, out, progress=lines.append)
     assert calls == list(range(5, cfg.num_hidden_layers))
     assert any("resuming at layer 5" in s for s in lines)
     pt = PackedTrunk.open(out, cfg, ix)
-    with TrunkStreamer(pt, 10 * GB) as s:
+    with streamer(pt, 10 * GB) as s:
         for i in range(pt.n_layers):
             check_layer(s.layer(i), small_ref[i])
             s.release_layer(i)
@@ -204,7 +221,7 @@ def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch
 def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_path, monkeypatch):
     m, _, cfg, ix = small
     out = tmp_path / "t"
-    real_sync = T.fsync_dir
+    real_sync = TP.fsync_dir
     n = []
 
     def sync(d):
@@ -213,15 +230,15 @@ def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_pat
             raise KeyboardInterrupt
         real_sync(d)
 
-    monkeypatch.setattr(T, "fsync_dir", sync)
+    monkeypatch.setattr(TP, "fsync_dir", sync)
     with pytest.raises(KeyboardInterrupt):
         pack_trunk(m, out, progress=False)
-    monkeypatch.setattr(T, "fsync_dir", real_sync)
+    monkeypatch.setattr(TP, "fsync_dir", real_sync)
     assert (out / "trunk.bin").exists() and not (out / "trunk.json").exists()
     _refused(lambda: PackedTrunk.open(out, cfg, ix), "interrupted")
     calls = []
-    real = T._copy_layer
-    monkeypatch.setattr(T, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    real = TP._copy_layer
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
     pack_trunk(m, out, progress=False)
     assert calls == []
     PackedTrunk.open(out, cfg, ix)
@@ -234,8 +251,8 @@ def test_partial_with_foreign_progress_restarts(small, tmp_path, monkeypatch):
     (out / "trunk.bin.partial").write_bytes(b"\xff" * 100000)
     (out / "trunk.progress.json").write_text(json.dumps({"plan_sha256": "0" * 64, "layers_done": 3, "samples": []}))
     calls = []
-    real = T._copy_layer
-    monkeypatch.setattr(T, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    real = TP._copy_layer
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
     pack_trunk(m, out, progress=False)
     assert calls == list(range(cfg.num_hidden_layers))
     assert (out / "trunk.bin").read_bytes() == (t / "trunk.bin").read_bytes()
@@ -252,9 +269,13 @@ def _index_with(ix, edit):
     return CheckpointIndex(ix.model_dir, tensors, {p: ix.shard_header(p) for p in ix.shards()})
 
 
-def test_pack_refuses_non_contiguous_or_split_layers(small):
+def test_layout_of_layers_with_gaps_or_spread_over_shards(small):
+    """A layer whose tensors are not one run in one shard (re-saved checkpoints) is laid
+    out as several segments, each copied as it is, at 64-byte boundaries."""
     m, _, cfg, ix = small
     name = "language_model.model.layers.2.self_attn.o_proj.weight"
+    rel = name.split("layers.2.")[1]
+    release = TF._plan_layout(cfg, ix)[2]
 
     def gap(ts):
         ts[name] = dataclasses.replace(ts[name], offset=ts[name].offset + 64)
@@ -263,30 +284,38 @@ def test_pack_refuses_non_contiguous_or_split_layers(small):
         other = [p for p in ix.shards() if p != ts[name].file][0]
         ts[name] = dataclasses.replace(ts[name], file=other)
 
-    with pytest.raises(CheckpointError, match=r"layer 2.*not one gap-free run"):
-        T._plan_layout(cfg, _index_with(ix, gap))
-    with pytest.raises(CheckpointError, match=r"layer 2.*spread over 2 shards"):
-        T._plan_layout(cfg, _index_with(ix, split))
+    for edit in (gap, split):
+        ix2 = _index_with(ix, edit)
+        L = TF._plan_layout(cfg, ix2)[2]
+        assert len(L.segments) >= 2 and len(release.segments) == 1
+        assert all(g.off % TF.SEGMENT_ALIGN == 0 for g in L.segments)
+        assert sum(g.nbytes for g in L.segments) == sum(t.nbytes for t in L.tensors.values())
+        t = L.tensors[rel]
+        seg = next(g for g in L.segments if g.off <= t.off < g.off + g.nbytes)
+        assert seg.src_off + t.off - seg.off == ix2.get(name).offset  # where the copy of its bytes comes from
+        assert os.path.basename(ix2.get(name).file) == seg.shard
+        spans = sorted((x.off, x.off + x.nbytes) for x in L.tensors.values())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tensors overlap
 
     def drop(ts):
         del ts[name]
 
-    with pytest.raises(CheckpointError, match=r"layer 2 lacks 1"):
-        T._plan_layout(cfg, _index_with(ix, drop))
+    # the layout check (CheckpointLayout.validate) refuses it, naming the missing tensor
+    with pytest.raises(CheckpointError, match=r"1 of 14 layers are missing tensors.*missing `" + name.replace(".", r"\.") + "`"):
+        TF._plan_layout(cfg, _index_with(ix, drop))
 
 
 def test_cli_main(small, tmp_path, capsys):
     m, t, cfg, ix = small
-    assert T.main([str(m), str(tmp_path / "t")]) == 0
+    assert k3_main(["pack-trunk", str(m), str(tmp_path / "t")]) == 0
     err = capsys.readouterr().err
     assert "layer 13" in err and "wrote" in err  # plain lines: stderr is not a terminal here
     PackedTrunk.open(tmp_path / "t", cfg, ix)
-    assert T.main([str(tmp_path / "nope"), str(tmp_path / "t2")]) in (2, 3)
-    import argparse
-    sub = argparse.ArgumentParser().add_subparsers()
-    p = T.register(sub)
-    args = p.parse_args([str(m), str(tmp_path / "t3"), "--restart"])
+    assert k3_main(["pack-trunk", str(tmp_path / "nope"), str(tmp_path / "t2")]) in (2, 3)
+    args = build_parser().parse_args(["pack-trunk", str(m), str(tmp_path / "t3"), "--restart"])
+    assert args.restart and not args.force
     assert args.fn(args) == 0
+    PackedTrunk.open(tmp_path / "t3", cfg, ix)
 
 
 # --------------------------------------------------------------------------- planner
@@ -452,7 +481,7 @@ def test_streamer_passes_byte_identical(small, small_ref):
     seen = set()
     for n, (budget, ring, order) in enumerate(_budgets(pt.layer_bytes)):
         for io_threads in ((1, 3) if n < 2 else (1 + 2 * (n % 2),)):
-            s = TrunkStreamer(pt, budget, ring, order, io_threads=io_threads, chunk_bytes=1 * MB)
+            s = streamer(pt, budget, ring, order, io_threads=io_threads, chunk_bytes=1 * MB)
             try:
                 p = s.plan
                 seen.add((p.ring_slots, bool(p.pinned), len(p.pinned) == pt.n_layers))
@@ -484,34 +513,38 @@ def test_streamer_prefetches_ahead(small, small_ref):
     """With a ring of 2 and time between binds, reads hide behind 'compute': hits, overlap."""
     _, t, cfg, ix = small
     pt = PackedTrunk.open(t, cfg, ix)
-    with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, 2), 2) as s:
+    with streamer(pt, min_budget_for(pt.layer_bytes, 2), 2) as s:
         for tok in range(2):
             for i in range(pt.n_layers):
                 s.layer(i)
                 time.sleep(0.03)  # compute
                 s.release_layer(i)
         st_ = s.stats()
-        lines = s.report()
-        desc = s.plan.describe(pt.n_layers)
+        desc = s.plan.describe()
     assert st_["hits"] >= 2 * pt.n_layers - 3
-    assert st_["overlap_seconds"] > 0.5 * st_["device_seconds"]
-    assert lines[0].startswith(f"trunk [final]: pinned {len(s.plan.pinned)}/{pt.n_layers} layers, ring 2 slots (")
-    assert lines[1].startswith(f"  binds {2 * pt.n_layers}, hits {st_['hits']} (")
-    assert "overlapped compute" in lines[3]
-    assert "ring 2 slots" in desc and "LARGEST FIRST" in desc
+    assert st_["overlap_seconds"] > 0.5 * st_["device_seconds"] > 0
+    assert st_["binds"] == 2 * pt.n_layers and st_["hits"] + st_["misses"] == st_["binds"]
+    assert (st_["pinned"], st_["n_layers"], st_["ring_slots"]) == (len(s.plan.pinned), pt.n_layers, 2)
+    assert st_["arena_bytes"] == s.plan.arena_bytes >= 2 * s.plan.slot_bytes
+    assert desc.startswith(f"trunk: pinned {len(s.plan.pinned)}/{pt.n_layers} layers LARGEST FIRST")
+    assert "ring 2 slots" in desc
 
 
 def test_streamer_subset_of_layers(small, small_ref):
     _, t, cfg, ix = small
     pt = PackedTrunk.open(t, cfg, ix)
-    with TrunkStreamer(pt, min_budget_for(pt.layer_bytes[:5], 2), 2, n_layers=5, chunk_bytes=MB) as s:
+    with streamer(pt, min_budget_for(pt.layer_bytes[:5], 2), 2, n_layers=5, chunk_bytes=MB) as s:
         for tok in range(3):
             for i in range(5):
                 check_layer(s.layer(i), small_ref[i])
                 s.release_layer(i)
         assert s.stats()["layer_reads"][5:] == [] and len(s.stats()["layer_reads"]) == 5
+        assert s.plan.n_layers == 5 and s.stats()["n_layers"] == 5
         with pytest.raises(IndexError):
             s.layer(5)
+    # a plan for more layers than the packed trunk has is refused
+    with pytest.raises(ValueError, match="covers"):
+        TrunkStreamer(pt, plan_trunk(pt.layer_bytes + [A], 10 * GB, 2))
 
 
 def test_slot_isolation(small, small_ref):
@@ -519,7 +552,7 @@ def test_slot_isolation(small, small_ref):
     _, t, cfg, ix = small
     pt = PackedTrunk.open(t, cfg, ix)
     for ring in (2, 3):
-        with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, ring), ring, chunk_bytes=MB) as s:
+        with streamer(pt, min_budget_for(pt.layer_bytes, ring), ring, chunk_bytes=MB) as s:
             held = next(i for i in range(pt.n_layers) if i not in s.plan.pinned)
             w = s.layer(held)  # held, never released during the walk below
             for step in range(2 * pt.n_layers):
@@ -537,7 +570,7 @@ def test_slot_isolation(small, small_ref):
 def test_one_slot_fully_held_is_refused(small, small_ref):
     _, t, cfg, ix = small
     pt = PackedTrunk.open(t, cfg, ix)
-    with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, 1), 2) as s:
+    with streamer(pt, min_budget_for(pt.layer_bytes, 1), 2) as s:
         assert s.plan.ring_slots == 1
         unp = [i for i in range(pt.n_layers) if i not in s.plan.pinned]
         s.layer(unp[0])
@@ -585,7 +618,7 @@ def test_tensors_are_handed_over_before_their_layer_is_read(small, small_ref):
     last = max(L.tensors, key=lambda k: L.tensors[k].off)
     assert L.tensors[first].off + L.tensors[first].nbytes <= 64 * 1024 < L.tensors[last].off
     gate = _Gate(L.file_off + 64 * 1024)
-    with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, 1), 2, reader=ShardFiles(hook=gate),
+    with streamer(pt, min_budget_for(pt.layer_bytes, 1), 2, reader=ShardFiles(hook=gate),
                        chunk_bytes=64 * 1024) as s:
         assert s.plan.ring_slots == 1 and s.plan.pinned == plan.pinned
         w = s.layer(u)  # the walk restarts at u
@@ -607,7 +640,7 @@ def test_spare_ring_bytes_read_the_next_layer_ahead(small, small_ref):
     budget = base + 256 * 1024
     gate = _Gate(1 << 62)  # never holds anything back: records only
     gate.open.set()
-    with TrunkStreamer(pt, budget, 2, reader=ShardFiles(hook=gate), chunk_bytes=64 * 1024) as s:
+    with streamer(pt, budget, 2, reader=ShardFiles(hook=gate), chunk_bytes=64 * 1024) as s:
         p = s.plan
         unp = [i for i in range(pt.n_layers) if i not in p.pinned]
         assert p.ring_slots == 1 and s.stats()["arena_bytes"] >= p.slot_bytes + 256 * 1024
@@ -633,7 +666,7 @@ def test_layers_wrapping_round_the_arena_end(small, small_ref):
     wrapped = 0
     for ring in (1, 2):
         for extra in (12288, 100 * 1024, 333 * 4096):
-            with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, ring) + extra, ring, chunk_bytes=64 * 1024) as s:
+            with streamer(pt, min_budget_for(pt.layer_bytes, ring) + extra, ring, chunk_bytes=64 * 1024) as s:
                 for tok in range(3):
                     for i in range(pt.n_layers):
                         check_layer(s.layer(i), small_ref[i])
@@ -659,7 +692,7 @@ def test_random_walks_and_budgets(small, small_ref):
         ring = rng.choice((1, 2, 3))
         order = rng.choice(("largest", "prefix"))
         budget = min_budget_for(pt.layer_bytes, ring, order) + rng.choice((0, 4096, rng.randrange(sum(a) // 2)))
-        with TrunkStreamer(pt, budget, ring, order, io_threads=rng.choice((1, 2, 4)),
+        with streamer(pt, budget, ring, order, io_threads=rng.choice((1, 2, 4)),
                            chunk_bytes=rng.choice((16, 64, 256)) * 1024) as s:
             i = rng.randrange(pt.n_layers)
             for step in range(4 * pt.n_layers):
@@ -686,7 +719,7 @@ def test_read_fault_raises_then_recovers(small, small_ref, kind, ring, pinned_ta
     L = pt.layers[target]
     hook = FaultHook(kind, file="trunk.bin", at=L.file_off + L.nbytes // 2)  # a chunk mid-layer
     reader = ShardFiles(hook=hook)
-    s = TrunkStreamer(pt, budget, ring, io_threads=4, reader=reader, chunk_bytes=MB)
+    s = streamer(pt, budget, ring, io_threads=4, reader=reader, chunk_bytes=MB)
     try:
         assert s.plan.pinned == plan.pinned
         for i in range(target):
@@ -711,7 +744,7 @@ def test_short_reads_are_survived(small, small_ref):
     _, t, cfg, ix = small
     pt = PackedTrunk.open(t, cfg, ix)
     reader = ShardFiles(hook=FaultHook("short", file="trunk.bin", short_bytes=5000))
-    with TrunkStreamer(pt, min_budget_for(pt.layer_bytes, 2), 2, reader=reader, chunk_bytes=MB) as s:
+    with streamer(pt, min_budget_for(pt.layer_bytes, 2), 2, reader=reader, chunk_bytes=MB) as s:
         for i in range(pt.n_layers):
             check_layer(s.layer(i), small_ref[i])
             s.release_layer(i)
@@ -719,7 +752,8 @@ def test_short_reads_are_survived(small, small_ref):
 
 # ------------------------------------------------------------------- model over it
 class StreamProvider:
-    """Layers from a TrunkStreamer; globals and experts from a resident provider."""
+    """Layers from a TrunkStreamer; globals and experts from the reference engine's
+    provider (trunk held in RAM)."""
 
     def __init__(self, resident, streamer):
         self.config = resident.config
@@ -731,8 +765,8 @@ class StreamProvider:
     def embed(self, ids):
         return self.r.embed(ids)
 
-    def experts(self, i, ids):
-        return self.r.experts(i, ids)
+    def expert_groups(self, i, ids):
+        return self.r.expert_groups(i, ids)
 
     def layer(self, i):
         return self.s.layer(i)
@@ -743,28 +777,71 @@ class StreamProvider:
 
 @pytest.mark.parametrize("arch", ["k3", "kimi_linear"])
 def test_model_over_streamer_bit_identical(tmp_path, arch):
-    from k3.engine import load_model
-
     m = synth.synthesize(tmp_path / "m", preset="tiny", arch=arch, seed=4)
     pack_trunk(m, tmp_path / "t", progress=False)
-    ref_model = load_model(m)
-    cfg = ref_model.cfg
-    ids = [5, 17, 99, 300, 42, 7, 100, 12, 64, 3]
-    ref = ref_model.forward(ids, last_only=False)
-    st0 = ref_model.new_state()
-    ref_model.forward(ids, st0)
-    ref_steps = [ref_model.forward([t], st0) for t in (11, 12, 13)]
-    pt = PackedTrunk.open(tmp_path / "t", cfg, CheckpointIndex.open(m))
-    resident = ref_model.provider
-    cases = [(min_budget_for(pt.layer_bytes, r, o) + extra, r, o)
-             for r in (1, 2, 3) for o, extra in (("largest", 0), ("prefix", max(pt.layer_bytes)))]
-    cases.append((pt.total_bytes, 2, "largest"))
-    for budget, ring, order in cases:
-        with TrunkStreamer(pt, budget, ring, order, io_threads=2, chunk_bytes=64 * 1024) as s:
-            model = Model(StreamProvider(resident, s))
-            for rep in range(2):
-                assert torch.equal(model.forward(ids, last_only=False), ref), (budget, ring, order, rep)
-            st1 = model.new_state()
-            model.forward(ids, st1)
-            for t, r in zip((11, 12, 13), ref_steps):
-                assert torch.equal(model.forward([t], st1), r)
+    with open_engine(m) as eng:
+        assert eng.plan.trunk is None and eng.provider.trunk is None  # the reference holds the trunk in RAM
+        ref_model = eng.model
+        cfg = ref_model.cfg
+        ids = [5, 17, 99, 300, 42, 7, 100, 12, 64, 3]
+        ref = ref_model.forward(ids, last_only=False)
+        st0 = ref_model.new_state()
+        ref_model.forward(ids, st0)
+        ref_steps = [ref_model.forward([t], st0) for t in (11, 12, 13)]
+        pt = PackedTrunk.open(tmp_path / "t", cfg, CheckpointIndex.open(m))
+        resident = eng.provider
+        cases = [(min_budget_for(pt.layer_bytes, r, o) + extra, r, o)
+                 for r in (1, 2, 3) for o, extra in (("largest", 0), ("prefix", max(pt.layer_bytes)))]
+        cases.append((pt.total_bytes, 2, "largest"))
+        for budget, ring, order in cases:
+            with streamer(pt, budget, ring, order, io_threads=2, chunk_bytes=64 * 1024) as s:
+                model = Model(StreamProvider(resident, s))
+                for rep in range(2):
+                    assert torch.equal(model.forward(ids, last_only=False), ref), (budget, ring, order, rep)
+                st1 = model.new_state()
+                model.forward(ids, st1)
+                for t, r in zip((11, 12, 13), ref_steps):
+                    assert torch.equal(model.forward([t], st1), r)
+
+
+def test_pack_and_stream_a_resaved_layout(tmp_path):
+    """A checkpoint re-saved in another tensor order (here a scrambled one, so a layer's
+    trunk tensors are interleaved with experts and other layers, and spread over every
+    shard) packs, and streaming it gives the tokens and logits of the release layout held
+    in RAM."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from k3.checkpoint.writer import write_checkpoint
+    from k3.engine import load
+
+    orig = synth.synthesize(tmp_path / "orig", preset="tiny", seed=4)
+    ix = CheckpointIndex.open(orig)
+    tensors = {}
+    for shard in ix.shards():
+        with safe_open(shard, "pt") as f:
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    names = sorted(tensors, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
+    cut = [len(names) * k // 3 for k in range(4)]
+    resaved = tmp_path / "resaved"
+    write_checkpoint(resaved, [[(n, tensors[n]) for n in names[a:b]] for a, b in zip(cut, cut[1:])],
+                     name_fmt="model-{i:05d}-of-{n:05d}.safetensors", fsync=False)
+    for f in orig.iterdir():
+        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, resaved / f.name)
+    cfg = load_config(resaved)
+    layers = TF._plan_layout(cfg, CheckpointIndex.open(resaved))
+    assert max(len(L.segments) for L in layers) > 1 and max(len(L.shards) for L in layers) > 1
+    pack_trunk(resaved, tmp_path / "t", progress=False)
+    pt = PackedTrunk.open(tmp_path / "t", cfg, CheckpointIndex.open(resaved))
+    ids = [5, 17, 99, 300, 42, 7, 1000, 12]
+    with load(orig) as ref:
+        want = list(ref.decode(ids, max_tokens=6))
+    budget = min_budget_for(pt.layer_bytes, 1) / GB
+    with load(resaved, trunk=tmp_path / "t", trunk_gb=budget, ultra_low_memory=True) as eng:
+        assert eng.plan.trunk is not None and len(eng.plan.trunk.pinned) < pt.n_layers
+        got = list(eng.decode(ids, max_tokens=6))
+    assert [s.token for s in got] == [s.token for s in want]
+    assert torch.equal(got[0].logits, want[0].logits)

@@ -33,7 +33,8 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
-from k3.errors import ReadError
+from ..errors import ReadError
+from ..units import ALIGN
 
 from .safetensors import TensorInfo
 
@@ -48,7 +49,6 @@ __all__ = [
     "load_tensor",
 ]
 
-ALIGN = 4096
 # Largest single syscall; Linux caps one read at 0x7ffff000 bytes anyway. Aligned.
 MAX_CHUNK = 1 << 30
 
@@ -250,15 +250,17 @@ class ShardFiles:
             f"against the published one), then re-run."
         )
 
+    def _os_error(self, path, req: tuple[int, int], what, e: OSError) -> ReadError:
+        return self._error(path, req[0], req[1], what, f"{e.strerror or e} (errno {e.errno})")
+
     def _read_loop(self, path: str, fd: int, mv: memoryview, offset: int, what: str | None, req: tuple[int, int]) -> None:
         n = len(mv)
         done = 0
         while done < n:
-            chunk = min(n - done, MAX_CHUNK)
             try:
-                got = self._pread_once(path, fd, mv[done : done + chunk], offset + done, False)
+                got = self._pread_once(path, fd, mv[done : done + min(n - done, MAX_CHUNK)], offset + done, False)
             except OSError as e:
-                raise self._error(path, req[0], req[1], what, f"{e.strerror or e} (errno {e.errno})") from e
+                raise self._os_error(path, req, what, e) from e
             if got <= 0:
                 raise self._error(
                     path, req[0], req[1], what,
@@ -332,16 +334,15 @@ class ShardFiles:
         need = lead + nbytes  # bytes of the widened span that must arrive
         done = 0
         while done < need:
-            chunk = min(length - done, MAX_CHUNK)
             try:
-                got = self._pread_once(path, fd, mv[done : done + chunk], start + done, True)
+                got = self._pread_once(path, fd, mv[done : done + min(length - done, MAX_CHUNK)], start + done, True)
             except OSError as e:
                 if e.errno == errno.EINVAL and path not in self._direct_ok:
                     # File system accepts the O_DIRECT flag but not the I/O: go buffered.
                     self._drop_direct(path, f"O_DIRECT read refused: {e.strerror or e}")
                     self._read_loop(path, self.fd(path), memoryview(payload), offset, what, (offset, nbytes))
                     return payload
-                raise self._error(path, offset, nbytes, what, f"{e.strerror or e} (errno {e.errno})") from e
+                raise self._os_error(path, (offset, nbytes), what, e) from e
             if got <= 0:
                 break
             if not done:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..fsutil import fsync_dir
+from ..fsutil import atomic_write, fsync_dir
 from .safetensors import DTYPE_SIZES, INDEX_NAME
 
 __all__ = ["write_checkpoint", "write_safetensors", "TORCH_TO_ST", "NUMPY_TO_ST"]
@@ -126,23 +126,6 @@ def _header_bytes(entries: Sequence[_Entry], metadata: dict[str, str] | None) ->
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _atomic_write(path: Path, write_body, fsync: bool) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write_body(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _check_metadata(metadata: dict | None) -> dict[str, str] | None:
     if metadata is None:
         return {"format": "pt"}
@@ -151,7 +134,8 @@ def _check_metadata(metadata: dict | None) -> dict[str, str] | None:
     return dict(metadata) or None
 
 
-def _write_entries(path: Path, entries: Sequence[_Entry], metadata: dict[str, str] | None, fsync: bool) -> None:
+def _write_entries(path: Path, entries: Sequence[_Entry], metadata: dict[str, str] | None, fsync: bool,
+                   what: str = "the safetensors file") -> None:
     header = _header_bytes(entries, metadata)
 
     def body(f):
@@ -161,7 +145,7 @@ def _write_entries(path: Path, entries: Sequence[_Entry], metadata: dict[str, st
             for i in range(0, len(mv), _CHUNK):
                 f.write(mv[i : i + _CHUNK])
 
-    _atomic_write(path, body, fsync)
+    atomic_write(path, body, what=what, fsync=fsync)
 
 
 def write_safetensors(
@@ -170,11 +154,13 @@ def write_safetensors(
     *,
     metadata: dict[str, str] | None = None,
     fsync: bool = True,
+    what: str = "the safetensors file",
 ) -> Path:
     """Write one safetensors file with ``tensors`` (``(name, tensor)`` pairs) in the given order.
 
     ``metadata=None`` writes ``{"format": "pt"}`` (what transformers expects);
-    ``metadata={}`` writes no ``__metadata__``.
+    ``metadata={}`` writes no ``__metadata__``. A failed write is a K3Error naming the
+    path and ``what`` it was.
     """
     meta = _check_metadata(metadata)
     entries = [_describe(n, t) for n, t in tensors]
@@ -184,7 +170,7 @@ def write_safetensors(
             raise ValueError(f"tensor name {e.name!r} given twice")
         seen.add(e.name)
     path = Path(path)
-    _write_entries(path, entries, meta, fsync)
+    _write_entries(path, entries, meta, fsync, what)
     return path
 
 
@@ -239,7 +225,7 @@ def write_checkpoint(
         total = sum(e.nbytes for _, entries in plans for e in entries)
         doc = {"metadata": {"total_size": total}, "weight_map": seen}
         raw = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        _atomic_write(out / INDEX_NAME, lambda f: f.write(raw), fsync)
+        atomic_write(out / INDEX_NAME, raw, what="the checkpoint index", fsync=fsync)
     if fsync:
         fsync_dir(str(out))
     return paths

@@ -1,4 +1,4 @@
-"""`k3 cache-sim`: replay an expert trace against cache capacities (LRU and Belady).
+"""Replay an expert trace (`k3 cache-sim`) against cache capacities (LRU and Belady).
 
 A trace is what ``ExpertCache.dump_trace`` writes (and the C engine's
 ``expert_trace.bin``): little-endian int32 pairs (layer, expert) in request order.
@@ -19,23 +19,19 @@ O(N log N) overall, about 0.2 s for the 100k-request reference trace.
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import os
-import sys
 from collections import OrderedDict
 
 import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_GB", "DEFAULT_SLOT_MB", "cmd_cache_sim", "load_trace", "main", "register",
-           "simulate", "table"]
+__all__ = ["DEFAULT_GB", "DEFAULT_SLOT_MB", "capacities", "format_table", "load_trace", "simulate", "table"]
 
-#: the C engine's slot size for K3 (expert bytes + O_DIRECT widening, reference-engine.md 4.4)
+#: the C engine's slot size for K3 (expert bytes + O_DIRECT widening)
 DEFAULT_SLOT_MB = 17.56
-#: the capacities of the C engine's published table (reference-engine.md 6.4)
+#: the capacities of the C engine's published table
 DEFAULT_GB = (8.0, 16.0, 32.0, 64.0, 128.0, 192.0)
 POLICIES = ("lru", "belady")
 
@@ -185,49 +181,3 @@ def format_table(path, trace: np.ndarray, rows: list[dict], slot_mb: float) -> s
         lines.append(f"{r['slots']:>8,} {r['gb']:>9.2f} {100 * r['lru']:>10.2f} {100 * r['belady']:>13.2f} "
                      f"{r['distinct']:>9,} {100 * r['ceiling']:>10.2f}")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------ CLI
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="expert_trace.bin (int32 pairs layer, expert), e.g. from `k3 run --dump-trace`")
-    p.add_argument("--capacity", type=int, nargs="+", default=[], metavar="N", help="cache sizes in slots")
-    p.add_argument("--gb", type=float, nargs="+", default=[], metavar="X",
-                   help=f"cache sizes in GB (default: {' '.join(f'{g:g}' for g in DEFAULT_GB)} "
-                        "when neither --capacity nor --gb is given)")
-    p.add_argument("--slot-mb", type=float, default=DEFAULT_SLOT_MB,
-                   help=f"bytes of one slot in MB, to convert GB <-> slots (default {DEFAULT_SLOT_MB}, K3)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-
-
-def cmd_cache_sim(args) -> int:
-    gb = args.gb if (args.gb or args.capacity) else DEFAULT_GB
-    caps = capacities(args.capacity, gb, args.slot_mb)
-    trace = load_trace(args.trace)
-    if not len(trace):
-        raise UsageError(f"the expert trace {args.trace} is empty: nothing to replay.")
-    rows = table(trace, caps, args.slot_mb)
-    if args.json:
-        print(json.dumps({"trace": os.fspath(args.trace), "slot_mb": args.slot_mb, "rows": rows}, indent=1))
-    else:
-        print(format_table(args.trace, trace, rows, args.slot_mb))
-    return 0
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the `cache-sim` subcommand to a `k3` subparsers object (handler in `fn`)."""
-    p = subparsers.add_parser("cache-sim", help="replay an expert trace: LRU and Belady hit rates by cache size",
-                              description=__doc__.split("\n\n")[0])
-    add_args(p)
-    p.set_defaults(fn=cmd_cache_sim)
-    return p
-
-
-def main(argv=None) -> int:
-    """`python -m k3.memory.cache_sim ...` is `k3 cache-sim ...`."""
-    from ..cli import main as k3_main
-
-    return k3_main(["cache-sim", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -4,9 +4,10 @@ INVARIANTS (read these before using the returned tensors)
 
 * Experts returned by one :meth:`ExpertCache.experts` call are torch VIEWS into the
   arena. They stay valid until the NEXT ``experts()`` call, which may evict them and
-  overwrite their bytes. The MoE math (k3.model.moe) uses a call's experts only inside
-  that call's group, and asks for at most :attr:`ExpertCache.max_experts_per_call`
-  (= n_slots - 1) experts at once.
+  overwrite their bytes. One call serves at most :attr:`ExpertCache.max_experts_per_call`
+  (= n_slots - 1) experts; :meth:`ExpertCache.groups` hands any number out in groups of
+  that size, each valid until the next group is asked for (the MoE math finishes a
+  group before it asks for the next).
 * Within one call, an expert of the call is never chosen as the victim for another
   expert of the same call, and a slot being read (in flight) is never a victim.
 * A slot is published (findable) only after its read succeeded; a failed read puts the
@@ -15,7 +16,7 @@ INVARIANTS (read these before using the returned tensors)
   RuntimeError). The reads inside one call run in parallel on ``io_threads`` threads
   (``pread`` releases the GIL).
 
-Layout (the C engine's k3_cache.c, reference-engine.md 4.4): one preallocated arena of
+Layout (as the C engine's k3_cache.c): one preallocated arena of
 ``n_slots`` fixed slots; a slot holds the largest expert's six tensors (three for an
 unpacked BF16 expert) as the ONE contiguous run they form in the shard, widened outward
 to 4096-byte boundaries so the run is one O_DIRECT read, rounded up to 4096 bytes.
@@ -26,22 +27,20 @@ The seam: the cache needs an object (``layout``) with ``cfg`` (``num_experts``,
 ``num_experts_per_token``, ``is_moe(i)``), ``n_layers`` and
 ``expert_tensors(layer, e) -> {relative name: TensorInfo}`` (relative names
 ``w1.weight_packed`` / ``w1.weight_scale`` or ``w1.weight``, same for w2, w3).
-:class:`~k3.memory.resident.CheckpointLayout` is one.
+:class:`~k3.checkpoint.layout.CheckpointLayout` is one.
 
 Statistics (whole run, and per step until :meth:`ExpertCache.end_step`): requests,
 hits, misses, evictions, reads / failed_reads / scattered_reads (experts read, reads
 that failed, experts read tensor by tensor because they are not one run), bytes_read
 (expert payload bytes), io_bytes (bytes transferred, including the O_DIRECT widening),
-read_seconds (wall time of the parallel read phase) and retention = requests - evictions (the C engine's "true retention": every request
-that did not push an expert out).
+read_seconds (wall time of the parallel read phase) and retention = requests - evictions
+(the C engine's "true retention": every request that did not push an expert out).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import mmap
-import os
 import threading
 import time
 import weakref
@@ -55,23 +54,21 @@ from typing import NamedTuple, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..checkpoint.io import ALIGN, TORCH_DTYPES, ShardFiles, aligned_empty, direct_span
+from .. import env
+from ..checkpoint.io import TORCH_DTYPES, ShardFiles, aligned_empty, direct_span
 from ..checkpoint.safetensors import TensorInfo
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
 from ..model.weights import ExpertWeights, Mxfp4Weight
+from ..units import GB, align_up, human
 
 __all__ = [
     "ExpertCache",
     "ExpertLocation",
     "ExpertSource",
-    "expert_cache_min_bytes",
-    "expert_cache_slots",
     "expert_slot_bytes",
     "locate_expert",
 ]
 
-GB = 1e9
-MB = 1e6
 #: placement of tensors inside a slot when an expert is read tensor by tensor
 PART_ALIGN = 64
 _HUGE = 2 << 20
@@ -179,10 +176,6 @@ def _locate(tensors: dict, layer: int, e: int) -> ExpertLocation:
     return ExpertLocation(layer, e, first.file, first.offset, total, False, pos, tuple(parts))
 
 
-def _round_up(n: int, a: int = ALIGN) -> int:
-    return n + (-n) % a
-
-
 _SLOT_MEMO: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 
 
@@ -209,7 +202,7 @@ def expert_slot_bytes(layout: ExpertSource) -> int:
     if best == 0:
         raise K3Error("this model has no routed experts (no MoE layer in the layers run), so "
                       "there is nothing for an expert cache to hold.")
-    slot = _round_up(best)
+    slot = align_up(best)
     try:
         _SLOT_MEMO[layout] = slot
     except TypeError:
@@ -217,51 +210,11 @@ def expert_slot_bytes(layout: ExpertSource) -> int:
     return slot
 
 
-def expert_cache_min_bytes(layout: ExpertSource) -> int:
-    """The smallest budget :class:`ExpertCache` accepts: top-k + 1 slots."""
-    return (layout.cfg.num_experts_per_token + 1) * expert_slot_bytes(layout)
-
-
-def expert_cache_slots(layout: ExpertSource, budget_bytes: int) -> int:
-    """Slots an ExpertCache of ``budget_bytes`` has: ``budget // expert_slot_bytes``,
-    capped at the model's number of routed experts (more could never be used). A budget
-    below top-k + 1 slots is refused (K3Error, exit code 1) with the minimum to use.
-    The arena is exactly ``slots * expert_slot_bytes(layout)`` bytes."""
-    slot = expert_slot_bytes(layout)
-    cfg = layout.cfg
-    need = int(cfg.num_experts_per_token) + 1
-    fit = int(budget_bytes) // slot
-    if fit < need:
-        raise K3Error(
-            f"expert cache budget {_gb(budget_bytes)} GB holds {fit} slots of "
-            f"{_mb(slot)} MB; one token needs top-k + 1 = {need} slots (a cache "
-            f"smaller than one token's working set would evict an expert that is still being "
-            f"multiplied). Raise --cache-gb to at least {_gb_up(need * slot)} GB.")
-    total = sum(1 for i in range(layout.n_layers) if cfg.is_moe(i)) * int(cfg.num_experts)
-    return int(min(fit, max(total, need)))
-
-
-def _gb_up(n: int) -> str:
-    """``n`` bytes in GB, rounded UP at a precision of ~1% (never below 2 decimals)."""
-    d = max(2, 9 - math.floor(math.log10(max(n, 1) / 100)))
-    v = math.ceil(n / 10 ** (9 - d)) / 10 ** d
-    return f"{v:.{d}f}"
-
-
-def _gb(n: int) -> str:
-    d = 2 if n >= 1e8 else max(2, 9 - math.floor(math.log10(max(n, 1) / 100)))
-    return f"{n / GB:.{d}f}"
-
-
-def _mb(n: int) -> str:
-    return f"{n / MB:.2f}" if n >= 1e5 else f"{n / MB:.4f}"
-
-
 def _alloc_arena(nbytes: int, huge: bool) -> tuple[np.ndarray, object]:
     """A writable 4096-aligned uint8 arena (2 MiB aligned + MADV_HUGEPAGE when ``huge``).
 
     Anonymous memory: pages become resident when a slot is first filled."""
-    if huge and os.environ.get("K3_NOHUGE") is None:
+    if huge and env.hugepages():
         try:
             mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except (OSError, ValueError, AttributeError):
@@ -307,17 +260,14 @@ _INFLIGHT = object()  # key_of state of a reserved slot being read
 class ExpertCache:
     """LRU cache of routed experts in a fixed arena of slots (see the module docstring).
 
-    ``budget_bytes`` is the arena budget: ``n_slots = budget_bytes // slot_bytes``
-    (capped at the number of routed experts the model has, never below top-k + 1);
-    a budget below top-k + 1 slots is refused (K3Error, exit code 1). ``reader``
-    (default: a private ShardFiles) does the reads; ``io_threads`` reads run in
-    parallel within one call; ``trace`` records every request for :meth:`dump_trace`.
+    ``n_slots`` comes from the memory plan (:func:`k3.memory.planner.expert_cache_slots`);
+    at least top-k + 1 (ValueError otherwise). ``reader`` (default: a private
+    ShardFiles) does the reads; ``io_threads`` reads run in parallel within one call;
+    ``trace`` records every request for :meth:`dump_trace`.
     """
 
-    def __init__(self, layout: ExpertSource, budget_bytes: int, reader: ShardFiles | None = None,
+    def __init__(self, layout: ExpertSource, n_slots: int, reader: ShardFiles | None = None,
                  io_threads: int = 4, trace: bool = False):
-        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool) or budget_bytes < 0:
-            raise UsageError(f"the expert cache budget must be a non-negative number of bytes, got {budget_bytes!r}.")
         if int(io_threads) < 1:
             raise UsageError(f"expert cache io_threads must be >= 1, got {io_threads}.")
         self.layout = layout
@@ -326,10 +276,10 @@ class ExpertCache:
         self.n_experts = int(cfg.num_experts)
         self.top_k = int(cfg.num_experts_per_token)
         self._moe = [bool(cfg.is_moe(i)) for i in range(self.n_layers)]
-        self._slot_bytes = expert_slot_bytes(layout)
-        budget_bytes = int(budget_bytes)
-        self._n_slots = expert_cache_slots(layout, budget_bytes)
-        self.budget_bytes = budget_bytes
+        if any(self._moe) and int(n_slots) < self.top_k + 1:
+            raise ValueError(f"an expert cache needs at least top-k + 1 = {self.top_k + 1} slots, got {n_slots}")
+        self._slot_bytes = expert_slot_bytes(layout) if any(self._moe) else 0
+        self._n_slots = int(n_slots)
         self.io_threads = int(io_threads)
         self._own_reader = reader is None
         self.reader = reader if reader is not None else ShardFiles()
@@ -338,8 +288,6 @@ class ExpertCache:
         n = self._n_slots
         self._key_of: list = [None] * n          # None = EMPTY, _INFLIGHT, or (layer, e)
         self._weights: list = [None] * n         # ExpertWeights of a published slot
-        self._stamp = np.zeros(n, dtype=np.int64)  # clock of the last use
-        self._clock = 0
         self._empty = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
         self._slot_of: dict[tuple[int, int], int] = {}
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # oldest first
@@ -404,6 +352,14 @@ class ExpertCache:
         finally:
             self._busy.release()
 
+    def groups(self, layer: int, ids: Sequence[int]):
+        """Experts ``ids`` (distinct) of ``layer`` in groups of at most
+        ``max_experts_per_call``; each group's experts are valid until the next group."""
+        ids = list(ids)
+        step = self.max_experts_per_call
+        for g in range(0, len(ids), step):
+            yield self.experts(layer, ids[g:g + step])
+
     def _fetch(self, layer: int, ids: list, uniq: list) -> dict[int, ExpertWeights]:
         run, step = self._run, self._step
         n_req = len(ids)
@@ -419,7 +375,7 @@ class ExpertCache:
             if slot is None:
                 missing.append(e)
             else:
-                self._touch(key, slot)
+                self._touch(key)
                 out[e] = self._weights[slot]
         n_miss = len(missing)
         for s in (run, step):
@@ -430,9 +386,7 @@ class ExpertCache:
             self._load(layer, missing, set(uniq), out)
         return {e: out[e] for e in uniq}
 
-    def _touch(self, key, slot) -> None:
-        self._clock += 1
-        self._stamp[slot] = self._clock
+    def _touch(self, key) -> None:
         self._lru.move_to_end(key)
 
     def _location(self, layer: int, e: int) -> ExpertLocation:
@@ -511,8 +465,6 @@ class ExpertCache:
             self._key_of[slot] = key
             self._slot_of[key] = slot
             self._lru[key] = slot
-            self._clock += 1
-            self._stamp[slot] = self._clock
             ew = self._weights[slot] = self._build(slot, loc)
             out[loc.expert] = ew
             for s in (run, step):
@@ -626,5 +578,5 @@ class ExpertCache:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"ExpertCache({self._n_slots} slots x {_mb(self._slot_bytes)} MB = "
-                f"{_gb(self.arena_bytes)} GB, {len(self._slot_of)} resident)")
+        return (f"ExpertCache({self._n_slots} slots x {human(self._slot_bytes)} = "
+                f"{human(self.arena_bytes)}, {len(self._slot_of)} resident)")

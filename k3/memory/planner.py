@@ -1,14 +1,22 @@
-"""Memory budgets: presets, `auto`, and the memory plan printed and checked before
-anything large is allocated.
+"""Memory planning, in one place: budgets in, the whole plan out, before anything large
+is allocated.
+
+The planner turns a :class:`Budgets` request and the model's sizes
+(:class:`ModelSizes`: trunk layer sizes, model tables, the expert-cache slot) into a
+:class:`Plan`: which trunk layers are pinned and how large the ring arena is
+(:func:`plan_trunk`), how many expert-cache slots there are, whether the model tables
+are held or streamed, the recurrent state and KV cache, the activation buffers and the
+interpreter's own measured footprint. The trunk streamer and the expert cache receive
+their part of the plan; they never size anything themselves.
 
 Invariants:
-  * the plan is a forecast that must not under-state the measured peak RSS: every
-    component is an upper bound of what the run allocates (the arena and slot sizes
-    used here are the ones the trunk streamer and expert cache will allocate);
-  * trunk first: `auto` gives the trunk (re-read every token) everything but a small
-    expert-cache floor unless the whole trunk fits;
-  * a plan that does not fit is refused with the shortfall and the options.
-GB here are decimal (1e9 bytes), as in the C engine's tables.
+  * the plan is a forecast that must not under-state the measured peak RSS: every row
+    is an upper bound of what the run allocates;
+  * a plan that does not fit (more than 95% of the memory available) is refused with the
+    shortfall and the options;
+  * ``auto`` chooses, among the plans that fit, the one that reads the fewest bytes per
+    token, by the cost model of :func:`bytes_per_token` (stated in docs/TUNING.md).
+GB here are decimal (1e9 bytes), as in the C engine's tables. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,10 +26,19 @@ import resource
 from dataclasses import dataclass, field
 
 from ..errors import K3Error, UsageError
+from ..units import ALIGN, GB, align_up, gb, gb_up, human
 
-GB = 1e9
+#: share of the available memory a plan may use (the rest absorbs allocator slack)
+PLAN_FRACTION = 0.95
+#: above the measured peak RSS: thread stacks, allocator arenas, the kernels' scratch
+BASELINE_MARGIN = 300 * 1000 * 1000
+#: streamed model tables (ultra-low-memory): one lm_head chunk buffer, plus room for the
+#: embedding rows and the small global vectors
+TABLE_CHUNK_BYTES = 64 * 1024 * 1024
+TABLE_STREAM_BYTES = TABLE_CHUNK_BYTES + 64 * 1024 * 1024
 
 
+# ====================================================================== presets
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -30,7 +47,7 @@ class Preset:
     note: str
 
 
-# The C engine's figures (reference-engine.md 2.2); notes quote its measured peak RSS.
+# The C engine's presets; each note quotes the peak RSS it measured with K3.
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("laptop", 3.0, 1.0, "8.2 GB peak RSS with K3: the floor"),
     Preset("desktop", 16.0, 10.0, "31.9 GB peak RSS with K3"),
@@ -46,14 +63,71 @@ def presets_table() -> str:
     lines = ["presets (trunk / expert-cache, in GB):"]
     for p in PRESETS.values():
         lines.append(f"  {p.name:<12}{p.trunk_gb:6.2f} / {p.cache_gb:<6.2f}  {p.note}")
-    lines.append(f"  {'auto':<12}{'fit':>6} / {'fit':<6}  sizes both from this machine's free RAM, trunk-first. Recommended.")
+    lines.append(f"  {'auto':<12}{'fit':>6} / {'fit':<6}  the plan that fits this machine's free memory and reads the "
+                 "fewest bytes per token. Recommended.")
     lines.append("All presets stream the trunk, so they need --trunk <packed_dir> (k3 pack-trunk MODEL OUT);")
     lines.append("without it the whole trunk is held in RAM. Run `k3 doctor MODEL` to see what this machine can do.")
     return "\n".join(lines)
 
 
+def recommend_preset(mem_available: int) -> str:
+    """The largest named preset whose C-engine peak RSS with K3 fits in ``mem_available``."""
+    need = {"max": 224, "server": 128, "workstation": 95.5, "desktop": 31.9, "laptop": 8.2}
+    for name, g in need.items():
+        if mem_available >= g * GB * 1.02:
+            return name
+    return "ultra"
+
+
+@dataclass
+class Budgets:
+    """What the user asks for. ``preset`` names a preset or ``auto``; ``trunk_gb`` /
+    ``cache_gb`` override it (``trunk_gb="auto"``: the trunk gets what the plan leaves).
+    ``trunk`` is a packed-trunk folder (``k3 pack-trunk``): without it the trunk is held
+    in RAM. Only the command line builds this from argv; the Python API takes the same
+    fields as keyword arguments of :func:`k3.load`."""
+
+    preset: str = "auto"
+    trunk_gb: float | str | None = None
+    cache_gb: float | None = None
+    trunk: str | None = None
+    trunk_ring: int = 2
+    ultra_low_memory: bool = False
+    io_threads: int = 4
+
+    def check(self) -> None:
+        if self.preset not in PRESET_NAMES:
+            raise UsageError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)} "
+                             "(k3 presets lists them).")
+        for name in ("trunk_gb", "cache_gb"):
+            v = getattr(self, name)
+            if v is None or (name == "trunk_gb" and v == "auto"):
+                continue
+            flag = "--" + name.replace("_", "-")
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise UsageError(f"{flag} takes a number of GB{' (or auto)' if name == 'trunk_gb' else ''}, "
+                                 f"got {v!r}.") from None
+            if not x > 0 or x != x or x == float("inf"):
+                raise UsageError(f"{flag} must be a finite number of GB > 0, got {v}.")
+        if int(self.trunk_ring) < 1:
+            raise UsageError(f"--trunk-ring must be >= 1, got {self.trunk_ring}.")
+        if int(self.io_threads) < 1:
+            raise UsageError(f"--io-threads must be >= 1, got {self.io_threads}.")
+
+    @property
+    def stream_tables(self) -> bool | None:
+        """True: stream the model tables; None: let ``auto`` decide."""
+        if self.ultra_low_memory or self.preset == "ultra":
+            return True
+        return None if self.preset == "auto" else False
+
+
+# ====================================================================== this machine
 def meminfo() -> dict:
-    """MemTotal / MemAvailable in bytes from /proc/meminfo."""
+    """MemTotal / MemAvailable in bytes, lowered to the memory cgroup's limit when one
+    applies (a container or a benchmark's ceiling)."""
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -69,7 +143,7 @@ def meminfo() -> dict:
                          "give --trunk-gb and --cache-gb (or a named --preset) instead.")
     res = {"MemTotal": out["MemTotal"], "MemAvailable": out["MemAvailable"]}
     lim = cgroup_limit()
-    if lim is not None:  # a container or a benchmark's memory ceiling: the real budget
+    if lim is not None:
         limit, usage = lim
         res["CgroupLimit"] = limit
         res["MemTotal"] = min(res["MemTotal"], limit)
@@ -131,7 +205,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# ---------------------------------------------------------------- model-derived sizes
+def baseline_bytes() -> int:
+    """This process's own footprint, measured: the peak RSS so far (compiling a kernel
+    peaks above what it leaves resident) plus a margin for thread stacks and allocator
+    slack. Call it after the kernels are loaded."""
+    return max(rss_bytes(), peak_rss_bytes()) + BASELINE_MARGIN
+
+
+# ====================================================================== model-derived sizes
 def embed_head_bytes(cfg, dtype_bytes: int = 2) -> int:
     n = cfg.vocab_size * cfg.hidden_size * dtype_bytes
     return n if cfg.tie_word_embeddings else 2 * n
@@ -145,6 +226,7 @@ def recurrent_state_bytes(cfg, n_layers: int | None = None) -> int:
 
 
 def kv_bytes_per_position(cfg, n_layers: int | None = None) -> int:
+    """Bytes of the MLA KV cache per position (expanded fp32 keys and values, as held)."""
     n = cfg.num_hidden_layers if n_layers is None else n_layers
     mla = sum(1 for i in range(n) if cfg.is_mla(i))
     return mla * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4
@@ -166,58 +248,277 @@ def activation_bytes(cfg, tokens: int) -> int:
     return tokens * per_token + kda_scratch
 
 
-# ---------------------------------------------------------------- auto
-def auto_budget(mem_available: int, mem_total: int, trunk_total: int, embed_head: int,
-                min_slot: int, cache_floor: int, overlap_min: int | None = None) -> tuple[int, int, str]:
-    """(trunk bytes, cache bytes, explanation), trunk first (the C engine's rule):
-    reserve = 2 GB + 2% of available + embed/lm_head + 1.7 GB (index, state, KV, scratch);
-    if what is left holds the whole trunk plus the cache floor, pin it all and give the
-    cache the rest; else the cache gets its floor and the trunk the rest, capped at
-    0.55 x MemTotal - reserve - floor (pinning to ~90% of RAM measured slower than not
-    pinning, because of reclaim), never below one ring slot, and raised to the smallest
-    budget with two ring slots (`overlap_min`) when what is usable pays for it."""
-    reserve = int(2 * GB + 0.02 * mem_available + embed_head + 1.7 * GB)
-    usable = mem_available - reserve
-    if usable < min_slot + cache_floor:
-        raise K3Error(
-            f"auto budget: {mem_available / GB:.2f} GB available, {reserve / GB:.2f} GB reserved (2 GB + 2% + "
-            f"model tables {embed_head / GB:.2f} GB + 1.7 GB state/scratch), leaving {usable / GB:.2f} GB; the "
-            f"floor is {(min_slot + cache_floor) / GB:.2f} GB (one trunk ring slot {min_slot / GB:.2f} GB + "
-            f"expert-cache floor {cache_floor / GB:.2f} GB). Free memory, or use --preset ultra.")
-    if usable - cache_floor >= trunk_total:
-        trunk, cache = trunk_total, usable - trunk_total
-    else:
-        cache = cache_floor
-        cap = int(0.55 * mem_total) - reserve - cache_floor
-        trunk = max(min_slot, min(usable - cache_floor, cap))
-        if overlap_min is not None and trunk < overlap_min <= usable - cache_floor:
-            # The cap would leave one ring slot (the next layer read ahead only into what
-            # is left beside it); when the memory pays for a second slot, that is worth
-            # more than the cap (10-layer realdims trunk, 6 GB split sweep: two-slot arms
-            # 4.44 / 4.14 s/token vs 4.69 / 4.51 with one slot, see docs/BENCHMARKS.md).
-            trunk = overlap_min
-    msg = (f"auto budget: {mem_available / GB:.2f} GB available, {reserve / GB:.2f} GB reserved -> "
-           f"trunk {trunk / GB:.2f} GB / expert cache {cache / GB:.2f} GB")
-    return trunk, cache, msg
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the planner needs to know about a model, measured from its checkpoint.
+
+    ``layer_bytes``: what the trunk allocates per layer (the packed, 4096-rounded runs
+    when streaming from a packed trunk; the tensors as stored when resident);
+    ``table_bytes``: embedding + lm_head as stored; ``head_bytes``: lm_head (read once per
+    token when the tables are streamed); ``slot_bytes``: one expert-cache slot;
+    ``expert_bytes``: one routed expert's payload; ``moe_layers`` and ``experts``: MoE
+    layers run and routed experts per layer; ``top_k``."""
+
+    layer_bytes: tuple[int, ...]
+    table_bytes: int
+    head_bytes: int
+    slot_bytes: int
+    expert_bytes: int
+    moe_layers: int
+    experts: int
+    top_k: int
+
+    @property
+    def trunk_bytes(self) -> int:
+        return sum(self.layer_bytes)
+
+    @property
+    def routed_experts(self) -> int:
+        return self.moe_layers * self.experts
 
 
-def recommend_preset(mem_available: int, mem_total: int | None = None) -> str:
-    """The largest named preset whose C-engine peak RSS fits in MemAvailable (K3)."""
-    need = {"max": 224, "server": 128, "workstation": 95.5, "desktop": 31.9, "laptop": 8.2}
-    for name, gb in need.items():
-        if mem_available >= gb * GB * 1.02:
-            return name
-    return "ultra"
-
-
-# ---------------------------------------------------------------- the plan
+# ====================================================================== the trunk
 @dataclass
-class MemoryPlan:
-    rows: list[tuple[str, int, str]] = field(default_factory=list)
-    available: int = 0
+class TrunkPlan:
+    pinned: list[int]
+    ring_slots: int
+    slot_bytes: int
+    pinned_bytes: int
+    total_bytes: int
+    message: str | None = None
+    order: str = "largest"
+    budget_bytes: int = 0
+    arena_bytes: int = 0  # the ring's memory: every budget byte not pinned (>= ring_slots x slot_bytes)
+    n_layers: int = 0  # layers planned (the first ones of the trunk)
 
-    def add(self, name: str, nbytes: int, note: str = "") -> None:
-        self.rows.append((name, int(nbytes), note))
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of buffers this plan allocates: pinned layers + the ring arena."""
+        return self.pinned_bytes + self.arena_bytes
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes read per pass over the layers once the pinned layers are in."""
+        return self.total_bytes - self.pinned_bytes
+
+    def describe(self) -> str:
+        n = self.n_layers
+        if not self.ring_slots:
+            return f"trunk: all {len(self.pinned)} layers pinned ({gb(self.pinned_bytes)} GB), no ring"
+        how = "LARGEST FIRST" if self.order == "largest" else "as a PREFIX"
+        spare = self.arena_bytes - self.ring_slots * self.slot_bytes
+        extra = f" + {human(spare)} of read-ahead" if spare >= ALIGN else ""
+        return (f"trunk: pinned {len(self.pinned)}/{n} layers {how} ({gb(self.pinned_bytes)} GB), ring "
+                f"{self.ring_slots} slot{'s' if self.ring_slots != 1 else ''} x {gb(self.slot_bytes)} GB (sized to "
+                f"the largest UNPINNED layer){extra}; {gb(self.streamed_bytes)} GB read per token")
+
+
+def _order(a: list[int], order: str) -> list[int]:
+    if order == "largest":
+        return sorted(range(len(a)), key=lambda j: (-a[j], j))
+    return list(range(len(a)))
+
+
+def _min_cost_largest(a: list[int], k: int) -> int:
+    """Smallest budget that holds some pinned set plus k slots (slot = largest unpinned)."""
+    best = None
+    for s in set(a):
+        c = sum(x for x in a if x > s) + k * s
+        best = c if best is None else min(best, c)
+    return best
+
+
+def _min_cost_prefix(a: list[int], k: int) -> int:
+    best, pref = None, 0
+    suffix_max = [0] * (len(a) + 1)
+    for j in range(len(a) - 1, -1, -1):
+        suffix_max[j] = max(a[j], suffix_max[j + 1])
+    for m in range(len(a)):  # pin a[:m], stream the rest
+        c = pref + k * suffix_max[m]
+        best = c if best is None else min(best, c)
+        pref += a[m]
+    return best
+
+
+def min_budget_for(layer_bytes: list[int], slots: int, order: str = "largest") -> int:
+    """The smallest trunk budget for which :func:`plan_trunk` can keep ``slots`` ring slots."""
+    a = [align_up(x) for x in layer_bytes]
+    return (_min_cost_largest if order == "largest" else _min_cost_prefix)(a, slots)
+
+
+def _pin_prefix(a: list[int], B: int, k: int) -> list[int] | None:
+    """Longest prefix 0..m-1 that fits with k slots sized to the largest layer after it."""
+    n = len(a)
+    suffix_max = [0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        suffix_max[j] = max(a[j], suffix_max[j + 1])
+    best, pref = None, 0
+    for m in range(n):  # m < n: at least one layer streams
+        if pref + k * suffix_max[m] <= B:
+            best = m
+        pref += a[m]
+    return None if best is None else list(range(best))
+
+
+def _pin_largest(a: list[int], B: int, k: int) -> list[int] | None:
+    """Largest-first pinning with k slots; None if k slots cannot fit.
+
+    For each candidate slot size s (a layer size), every layer larger than s is pinned
+    (the slot must hold every unpinned layer), then the remaining layers are tried in
+    order of size (ties: lower index first), each pinned when the plan — with the slot
+    re-sized to the largest layer still unpinned — stays within the budget; a layer that
+    does not fit is skipped and smaller ones are still tried. Passes repeat until
+    nothing more fits (the fixed point). The candidate pinning the most bytes wins."""
+    n = len(a)
+    order = _order(a, "largest")
+    best, best_key = None, None
+    for s in sorted(set(a), reverse=True):
+        pinned = [False] * n
+        pin_sum = 0
+        counts: dict[int, int] = {}
+        for j in range(n):
+            if a[j] > s:
+                pinned[j] = True
+                pin_sum += a[j]
+            else:
+                counts[a[j]] = counts.get(a[j], 0) + 1
+        if not counts:
+            continue
+        sizes = sorted(counts, reverse=True)  # distinct unpinned sizes, largest first
+        if pin_sum + k * sizes[0] > B:
+            continue
+        changed = True
+        while changed:
+            changed = False
+            for j in order:
+                if pinned[j]:
+                    continue
+                x = a[j]
+                slot = sizes[0]
+                if x == slot and counts[x] == 1:
+                    if len(sizes) == 1:
+                        continue  # the last unpinned layer: pinning it means no ring at all
+                    new_slot = sizes[1]
+                else:
+                    new_slot = slot
+                if pin_sum + x + k * new_slot <= B:
+                    pinned[j] = True
+                    pin_sum += x
+                    counts[x] -= 1
+                    if not counts[x]:
+                        del counts[x]
+                        sizes.remove(x)
+                    changed = True
+        used = pin_sum + k * sizes[0]
+        key = (pin_sum, sum(pinned), -used)
+        if best_key is None or key > best_key:
+            best, best_key = [j for j in range(n) if pinned[j]], key
+    return best
+
+
+def plan_trunk(layer_bytes: list[int], budget_bytes: int, ring: int = 2, order: str = "largest") -> TrunkPlan:
+    """Choose the pinned layers and the ring within ``budget_bytes`` (pure function).
+
+    Layer sizes are rounded up to 4096. If the whole trunk fits, every layer is pinned
+    and there is no ring. Otherwise the ring has ``ring`` uniform slots, each the size
+    of the largest *unpinned* layer, or fewer (at least 1) when the budget cannot pay
+    for them — then ``message`` says so with the budget that would (the C engine's ring
+    message). Within the slots chosen, layers are pinned largest first (``order=
+    "largest"``; ties by lower index; pinning the largest layers also shrinks the
+    slot) or as the longest prefix that fits (``order="prefix"``, v1.0.0 behaviour).
+    The result is a fixed point: the slot is the largest unpinned layer and no further
+    layer can be pinned within the budget. Every budget byte not pinned is the ring
+    arena (read-ahead room). Raises K3Error (exit 1) if not even one slot fits."""
+    if order not in ("largest", "prefix"):
+        raise ValueError(f"order must be 'largest' or 'prefix', got {order!r}")
+    if ring < 1:
+        raise ValueError(f"ring must be >= 1, got {ring}")
+    if any(x < 0 for x in layer_bytes):
+        raise ValueError("layer sizes must be >= 0")
+    a = [align_up(int(x)) for x in layer_bytes]
+    B = int(budget_bytes)
+    total = sum(a)
+    if total <= B:
+        return TrunkPlan(list(range(len(a))), 0, 0, total, total, None, order, B, 0, len(a))
+    pin = _pin_largest if order == "largest" else _pin_prefix
+    for k in range(ring, 0, -1):
+        pinned = pin(a, B, k)
+        if pinned is not None:
+            break
+    else:
+        need = min_budget_for(a, 1, order)
+        raise K3Error(
+            f"The trunk budget of {gb(B)} GB cannot hold even one ring slot: the largest layer is "
+            f"{gb(max(a))} GB and streaming needs a slot for the largest layer that is not pinned "
+            f"(at least {gb_up(need)} GB in all with {order} pinning). Raise --trunk-gb to at least "
+            f"{gb_up(need)} GB.")
+    ps = set(pinned)
+    slot = max(a[j] for j in range(len(a)) if j not in ps)
+    pinned_bytes = sum(a[j] for j in pinned)
+    msg = None
+    if k < ring:
+        if k == 1:
+            x = min_budget_for(a, 2, order)
+            msg = (f"ring held at 1 slot: a second slot needs {gb_up(x)} GB and the trunk budget is {gb(B)} GB, "
+                   f"so the next layer is read ahead only into the {human(max(0, B - pinned_bytes - slot))} beside "
+                   f"that slot while a layer computes (compute still overlaps the reading of its own layer, tensor "
+                   f"by tensor). Raise --trunk-gb above {gb_up(x)} GB to enable it.")
+        else:
+            x = min_budget_for(a, ring, order)
+            msg = (f"ring held at {k} slots: {ring} slots need {gb_up(x)} GB and the trunk budget is {gb(B)} GB. "
+                   f"Raise --trunk-gb above {gb_up(x)} GB to enable them.")
+    arena = max(k * slot, (B - pinned_bytes) // ALIGN * ALIGN)
+    return TrunkPlan(sorted(pinned), k, slot, pinned_bytes, total, msg, order, B, arena, len(a))
+
+
+# ====================================================================== the expert cache
+def expert_cache_slots(sizes: ModelSizes, budget_bytes: int) -> int:
+    """Slots an expert cache of ``budget_bytes`` has: ``budget // slot_bytes``, capped at
+    the model's number of routed experts (more could never be used). A budget below
+    top-k + 1 slots is refused (K3Error, exit 1) with the minimum to use: a cache
+    smaller than one token's working set would evict an expert still being multiplied."""
+    slot, need = sizes.slot_bytes, sizes.top_k + 1
+    if not sizes.routed_experts:  # no MoE layer among the layers run
+        return 0
+    fit = int(budget_bytes) // slot
+    if fit < need:
+        raise K3Error(
+            f"expert cache budget {gb(budget_bytes)} GB holds {fit} slots of {human(slot)}; one token needs "
+            f"top-k + 1 = {need} slots (a cache smaller than one token's working set would evict an expert that "
+            f"is still being multiplied). Raise --cache-gb to at least {gb_up(need * slot)} GB.")
+    return int(min(fit, max(sizes.routed_experts, need)))
+
+
+# ====================================================================== the cost model
+def bytes_per_token(sizes: ModelSizes, trunk: TrunkPlan | None, cache_slots: int, stream_tables: bool) -> int:
+    """Bytes read from storage per decoded token, estimated: the trunk layers not pinned
+    (re-read every token), the routed experts the cache misses, and lm_head when the
+    tables are streamed. The expert hit rate is estimated as ``slots / routed experts``
+    (uniform routing, as K3's Quantile-Balanced router aims for; a token's own top-k
+    never repeat within a layer, so they bring no hits of their own)."""
+    streamed = 0 if trunk is None else trunk.streamed_bytes
+    per_token = sizes.moe_layers * sizes.top_k * sizes.expert_bytes
+    hit = min(1.0, cache_slots / sizes.routed_experts) if sizes.routed_experts else 1.0
+    tables = sizes.head_bytes if stream_tables else 0
+    return int(streamed + per_token * (1.0 - hit) + tables)
+
+
+# ====================================================================== the plan
+@dataclass
+class Plan:
+    """The whole memory plan of one run. ``rows`` are (component, bytes, note)."""
+
+    budgets: Budgets
+    preset: str  # the preset applied, "custom" when flags override it
+    trunk: TrunkPlan | None  # None: the trunk is held in RAM (no packed trunk)
+    trunk_budget: int | None
+    cache_budget: int
+    cache_slots: int
+    stream_tables: bool
+    available: int
+    read_per_token: int
+    rows: list[tuple[str, int, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -228,25 +529,174 @@ class MemoryPlan:
         for name, n, note in self.rows:
             out.append(f"  {name:<18}{human(n):>12}  {note}".rstrip())
         out.append(f"  {'TOTAL':<18}{human(self.total):>12}")
-        out.append(f"  {'available':<18}{human(self.available):>12}  (MemAvailable)")
+        out.append(f"  {'available':<18}{human(self.available):>12}  (MemAvailable or the cgroup's limit)")
         return "\n".join(out)
 
-    def as_dict(self) -> dict:
-        return {"components": {n: b for n, b, _ in self.rows}, "total": self.total, "available": self.available}
+    def summary(self) -> str:
+        """One line: the plan's total against what is available, and its main choices."""
+        if self.trunk is None:
+            trunk = "trunk resident"
+        elif not self.trunk.ring_slots:
+            trunk = f"trunk all {len(self.trunk.pinned)} layers pinned"
+        else:
+            trunk = (f"trunk {len(self.trunk.pinned)} pinned + {human(self.trunk.arena_bytes)} ring "
+                     f"({self.trunk.ring_slots} slot{'s' if self.trunk.ring_slots != 1 else ''})")
+        return (f"memory plan: {human(self.total)} of {human(self.available)} available ({self.preset}): {trunk}, "
+                f"expert cache {self.cache_slots} slots, tables {'streamed' if self.stream_tables else 'resident'}; "
+                f"~{human(self.read_per_token)} read per token")
 
-    def check(self, fraction: float = 0.95) -> None:
-        if self.available and self.total > fraction * self.available:
-            short = self.total - fraction * self.available
+    def as_dict(self) -> dict:
+        return {"components": {n: b for n, b, _ in self.rows}, "total": self.total, "available": self.available,
+                "preset": self.preset, "stream_tables": self.stream_tables, "cache_slots": self.cache_slots,
+                "trunk_budget": self.trunk_budget, "cache_budget": self.cache_budget,
+                "estimated_read_per_token": self.read_per_token}
+
+    def check(self) -> None:
+        if self.available and self.total > PLAN_FRACTION * self.available:
+            short = self.total - PLAN_FRACTION * self.available
             raise K3Error(
                 f"REFUSING TO START: this needs {human(self.total)} and the machine has {human(self.available)} "
-                f"available ({fraction:.0%} of it may be planned), a shortfall of {human(short)}. Options: a "
-                f"smaller --cache-gb or --trunk-gb (with --trunk), a smaller preset (--preset laptop or ultra), "
-                f"--ultra-low-memory, fewer --layers, or a machine with more free memory.")
+                f"available ({PLAN_FRACTION:.0%} of it may be planned), a shortfall of {human(short)}. Options: a "
+                f"smaller --cache-gb or --trunk-gb (with --trunk), --preset auto, a smaller preset (--preset laptop "
+                f"or ultra), --ultra-low-memory, fewer --layers, or a machine with more free memory.\n"
+                + self.render())
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.2f} {unit}"
-        n /= 1000.0
-    return f"{n:.2f} TB"
+def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int) -> list:
+    rows = [("recurrent state", recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32")]
+    if incremental:
+        per = kv_bytes_per_position(cfg, n_layers)
+        kv = tokens * per
+        if kv > 0.9 * available:
+            n_mla = sum(1 for i in range(n_layers) if cfg.is_mla(i))
+            raise UsageError(
+                f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(available)} "
+                f"is available. This is a memory limit, not a bug: incremental decoding keeps, for each of the "
+                f"{n_mla} MLA layers, the expanded fp32 keys and values of every position ({human(per)} per "
+                "position). Use a shorter prompt, fewer tokens or a smaller context, or full recompute "
+                "(--full-recompute needs no KV cache).")
+        rows.append(("KV cache", kv, f"{tokens} positions x {human(per)}"))
+    rows.append(("buffers", activation_bytes(cfg, tokens), "activations, scratch, logits"))
+    rows.append(("interpreter + libs", baseline, "measured peak RSS so far + margin"))
+    return rows
+
+
+def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
+    """(preset name applied, trunk bytes or None for 'the plan decides', cache bytes or None)."""
+    trunk = cache = None
+    preset = budgets.preset
+    if preset != "auto":
+        p = PRESETS[preset]
+        trunk, cache = int(p.trunk_gb * GB), int(p.cache_gb * GB)
+    if budgets.trunk_gb not in (None, "auto"):
+        trunk, preset = int(float(budgets.trunk_gb) * GB), "custom"
+    elif budgets.trunk_gb == "auto":
+        trunk = None
+    if budgets.cache_gb is not None:
+        cache, preset = int(float(budgets.cache_gb) * GB), "custom"
+    return preset, trunk, cache
+
+
+def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
+         baseline: int, n_layers: int | None = None, pin_order: str = "largest") -> Plan:
+    """The memory plan for ``budgets`` on a model of ``sizes``, with a KV cache for
+    ``tokens`` positions when ``incremental``. Budgets the user did not fix are chosen
+    here: among the plans that fit (tables resident or streamed, how much of the rest
+    goes to the trunk and how much to the expert cache), the one with the fewest bytes
+    read per token (:func:`bytes_per_token`); ties go to the larger trunk budget (more
+    read-ahead). Raises K3Error when nothing fits."""
+    budgets.check()
+    n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
+    streaming = budgets.trunk is not None
+    preset, trunk_req, cache_req = _explicit(budgets)
+    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available)
+    room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
+    table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
+    floor_cache = (sizes.top_k + 1) * sizes.slot_bytes
+    max_cache = max(sizes.routed_experts, sizes.top_k + 1) * sizes.slot_bytes
+    notes = []
+    if not streaming and budgets.trunk_gb not in (None, "auto"):
+        notes.append("note: --trunk-gb has no effect without --trunk (the trunk is held in RAM)")
+
+    def trunk_plan(t):
+        return plan_trunk(list(sizes.layer_bytes), t, budgets.trunk_ring, pin_order) if streaming else None
+
+    candidates = []  # (bytes/token, -trunk budget, stream_tables, trunk budget, cache budget, TrunkPlan)
+    for stream_tables in table_choices:
+        tables = TABLE_STREAM_BYTES if stream_tables else sizes.table_bytes
+        left = room - tables
+        if not streaming:
+            trunk_sizes = [None]
+        elif trunk_req is not None:
+            trunk_sizes = [trunk_req]
+        else:
+            cache_part = cache_req if cache_req is not None else floor_cache
+            top = min(left - cache_part, sum(align_up(x) for x in sizes.layer_bytes))
+            one_slot = min_budget_for(list(sizes.layer_bytes), 1, pin_order)
+            trunk_sizes = sorted({t for t in (top, min_budget_for(list(sizes.layer_bytes), 2, pin_order),
+                                              one_slot) if one_slot <= t <= top})
+            # the same pinned set for less budget leaves the rest to the cache
+            more = set()
+            for t in trunk_sizes:
+                tp = trunk_plan(t)
+                more.add(tp.pinned_bytes + tp.ring_slots * tp.slot_bytes)
+            trunk_sizes = sorted(set(trunk_sizes) | more)
+        for t in trunk_sizes:
+            try:
+                tp = trunk_plan(t)
+            except K3Error:
+                continue
+            trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
+            cache = cache_req if cache_req is not None else min(max_cache, left - trunk_mem)
+            if cache < floor_cache or trunk_mem + cache > left:
+                continue
+            slots = expert_cache_slots(sizes, cache)
+            cost = bytes_per_token(sizes, tp, slots, stream_tables)
+            candidates.append((cost, -(trunk_mem), stream_tables, t, cache, tp, slots))
+    explicit_all = (not streaming or trunk_req is not None) and cache_req is not None and len(table_choices) == 1
+    if candidates and not explicit_all:
+        cost, _, stream_tables, t, cache, tp, slots = min(candidates, key=lambda c: c[:2])
+    else:
+        # Nothing fits (or nothing was left to choose): build the plan that was asked for,
+        # so that check() refuses it with every row shown.
+        stream_tables = table_choices[-1] if budgets.stream_tables is None else budgets.stream_tables
+        tables = TABLE_STREAM_BYTES if stream_tables else sizes.table_bytes
+        if streaming:
+            t = trunk_req if trunk_req is not None else max(
+                min_budget_for(list(sizes.layer_bytes), 1, pin_order), room - tables - floor_cache)
+            tp = trunk_plan(t)
+        else:
+            t, tp = None, None
+        if cache_req is not None:
+            cache = cache_req
+        else:
+            trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
+            cache = min(max_cache, max(floor_cache, room - tables - trunk_mem))
+        slots = expert_cache_slots(sizes, cache)
+        cost = bytes_per_token(sizes, tp, slots, stream_tables)
+    rows = []
+    if tp is not None:
+        rows.append(("trunk (STREAMED)", tp.used_bytes,
+                     f"{len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned + a {human(tp.arena_bytes)} ring "
+                     f"({tp.ring_slots} slot(s) of {human(tp.slot_bytes)})"))
+    else:
+        rows.append(("trunk (resident)", sizes.trunk_bytes, "every layer held in RAM, as stored"))
+    if stream_tables:
+        rows.append(("embed + lm_head", TABLE_STREAM_BYTES, "streamed: one chunk buffer + the embedding rows"))
+    else:
+        rows.append(("embed + lm_head", sizes.table_bytes, "resident, as stored"))
+    rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
+    rows += fixed
+    p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes)
+    if preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom"):
+        why = []
+        if budgets.stream_tables is None:
+            why.append("model tables " + ("STREAMED: the memory they free pins more of the trunk than lm_head "
+                                          f"costs to read ({human(sizes.head_bytes)} a token)" if stream_tables
+                                          else "resident"))
+        if tp is not None:
+            why.append(f"trunk {human(tp.used_bytes)} ({len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned)")
+        why.append(f"expert cache {human(slots * sizes.slot_bytes)} ({slots} slots)")
+        p.notes.append(f"auto: {'; '.join(why)}: the fewest bytes read per token (~{human(cost)}) of the "
+                       f"{len(candidates)} plans that fit.")
+    return p

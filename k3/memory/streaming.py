@@ -1,9 +1,10 @@
-"""The budgeted weight provider: the trunk resident or streamed (pinned layers + a ring
-filled by reader threads), routed experts through a fixed-size LRU cache, the model
-tables resident or (ultra-low-memory) streamed.
+"""The weight provider every run uses: the trunk held in RAM or streamed from a packed
+trunk (pinned layers + a ring filled by reader threads), routed experts through a
+fixed-size LRU cache, the model tables held or streamed (ultra-low-memory) - each as
+the memory plan says.
 
-It implements k3.model.weights.WeightProvider; the math cannot tell it from the
-resident provider, and the tests check that the logits are bit-identical.
+It implements k3.model.weights.WeightProvider; the math cannot tell how the weights are
+held, and the tests check that the logits are bit-identical at every plan.
 """
 
 from __future__ import annotations
@@ -12,45 +13,65 @@ import time
 
 import torch
 
-from ..checkpoint.io import ShardFiles
-from ..checkpoint.safetensors import CheckpointIndex
-from ..model.schema import global_specs
-from .expert_cache import ExpertCache
-from .resident import CheckpointLayout, read_trunk_layers, read_weight, tensor_bytes
+from ..checkpoint.io import ShardFiles, load_tensor
+from ..checkpoint.layout import CheckpointLayout
+from ..model.schema import global_specs, layer_specs
+from .expert_cache import ExpertCache, expert_slot_bytes
+from .planner import ModelSizes, Plan
 from .tables import StreamedEmbedding, StreamedRows
 
 
-class StreamingWeights:
-    """`trunk_dir`: a packed-trunk folder or an opened PackedTrunk (None: trunk held in
-    RAM, read from the shards); `cache_budget`: bytes for the expert arena."""
+def read_weight(layout: CheckpointLayout, reader: ShardFiles, rel: str, kind: str) -> torch.Tensor:
+    """One tensor as stored (O_DIRECT for large ones); small vectors widened to fp32."""
+    t = load_tensor(layout.info(rel), reader, direct=True)
+    return t.to(torch.float32) if kind in ("vector", "alog") else t
 
-    def __init__(self, cfg, model_dir, *, cache_budget: int, trunk_dir=None, trunk_budget: int | None = None,
-                 ring: int = 2, pin_order: str = "largest", ultra: bool = False, n_layers: int | None = None,
-                 io_threads: int = 4, trace: bool = False, layout: CheckpointLayout | None = None,
+
+def model_sizes(layout: CheckpointLayout, packed=None) -> ModelSizes:
+    """The sizes the planner needs, from the checkpoint (and the packed trunk, whose
+    4096-rounded layer runs are what streaming allocates)."""
+    cfg = layout.cfg
+    n = layout.n_layers
+    layer_bytes = packed.layer_bytes[:n] if packed is not None else [layout.layer_nbytes(i) for i in range(n)]
+    tables = layout.table_nbytes()
+    moe = [i for i in range(n) if cfg.is_moe(i)]
+    return ModelSizes(
+        layer_bytes=tuple(layer_bytes), table_bytes=sum(tables.values()),
+        head_bytes=tables.get("lm_head.weight", tables["embed_tokens.weight"]),
+        slot_bytes=expert_slot_bytes(layout) if moe else 0,
+        expert_bytes=layout.expert_nbytes(moe[0], 0) if moe else 0,
+        moe_layers=len(moe), experts=cfg.num_experts, top_k=cfg.num_experts_per_token)
+
+
+class StreamingWeights:
+    """The WeightProvider of a run, built from a memory plan.
+
+    ``packed``: an opened PackedTrunk when the plan streams the trunk (``plan.trunk``);
+    ``reader`` reads the tables and the resident trunk, ``trunk_reader`` and
+    ``expert_reader`` the streamed trunk and the experts (separate so that tests can
+    inject read faults into one of them)."""
+
+    def __init__(self, layout: CheckpointLayout, plan: Plan, packed=None, *, trace: bool = False,
                  reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None,
                  expert_reader: ShardFiles | None = None, progress=None):
-        self.config = cfg
-        if layout is None:  # the runner passes the layout it already validated
-            layout = CheckpointLayout(cfg, CheckpointIndex.open(model_dir), n_layers)
-            layout.validate()
+        cfg = self.config = layout.cfg
         self.layout = layout
-        self.index = layout.index
-        self.n_layers = self.layout.n_layers
+        self.n_layers = layout.n_layers
         self.reader = reader if reader is not None else ShardFiles()
-        self.ultra = ultra
-        self.bytes_read = 0
+        self.ultra = plan.stream_tables
+        self.bytes_read = 0  # bytes read at load time (tables, resident trunk)
         t0 = time.perf_counter()
 
         # model tables
         self._globals = {}
         for rel, sp in global_specs(cfg).items():
-            if rel in ("embed_tokens.weight", "lm_head.weight") and ultra:
+            if rel in ("embed_tokens.weight", "lm_head.weight") and self.ultra:
                 continue
             self._globals[rel] = self._load(rel, sp.kind)
-        if ultra:
-            self._embed = StreamedEmbedding(self.layout.info("embed_tokens.weight"), self.reader)
+        if self.ultra:
+            self._embed = StreamedEmbedding(layout.info("embed_tokens.weight"), self.reader)
             head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            self._globals["lm_head.weight"] = self._head = StreamedRows(self.layout.info(head), self.reader)
+            self._globals["lm_head.weight"] = self._head = StreamedRows(layout.info(head), self.reader)
         else:
             self._embed = None
             if cfg.tie_word_embeddings:
@@ -59,19 +80,20 @@ class StreamingWeights:
         # trunk
         self.trunk = None
         self._layers = None
-        if trunk_dir is not None:
-            from .trunk import PackedTrunk, TrunkStreamer
-            packed = trunk_dir if isinstance(trunk_dir, PackedTrunk) else PackedTrunk.open(trunk_dir, cfg, self.index)
-            self.trunk = TrunkStreamer(packed, trunk_budget, ring=ring, order=pin_order, io_threads=io_threads,
-                                       reader=trunk_reader, n_layers=self.n_layers)
+        if plan.trunk is not None:
+            from .trunk import TrunkStreamer
+            self.trunk = TrunkStreamer(packed, plan.trunk, io_threads=plan.budgets.io_threads, reader=trunk_reader)
         else:
-            self._layers = read_trunk_layers(self.layout, self.reader, progress)
-            self.bytes_read += self.resident_trunk_bytes
+            self._layers = []
+            for i in range(self.n_layers):
+                self._layers.append({rel: self._load(f"layers.{i}.{rel}", sp.kind)
+                                     for rel, sp in layer_specs(cfg, i).items()})
+                if progress is not None:
+                    progress(i)
 
         # experts
-        self.cache = ExpertCache(self.layout, cache_budget, reader=expert_reader or self.reader,
-                                 io_threads=io_threads, trace=trace)
-        self.max_experts_per_call = self.cache.max_experts_per_call
+        self.cache = ExpertCache(layout, plan.cache_slots, reader=expert_reader or self.reader,
+                                 io_threads=plan.budgets.io_threads, trace=trace)
         self.load_seconds = time.perf_counter() - t0
 
     def _load(self, rel, kind):
@@ -96,21 +118,31 @@ class StreamingWeights:
         if self.trunk is not None:
             self.trunk.release_layer(i)
 
-    def experts(self, i, ids):
-        return self.cache.experts(i, ids)
+    def expert_groups(self, i, ids):
+        return self.cache.groups(i, ids)
 
     # ---- reporting ----
     @property
     def resident_trunk_bytes(self) -> int:
         if self._layers is None:
             return 0
-        return tensor_bytes(t for layer in self._layers for t in layer.values())
+        return sum(t.numel() * t.element_size() for layer in self._layers for t in layer.values())
 
     def table_bytes(self) -> int:
+        """Bytes read from the streamed model tables so far (0 when they are held)."""
         if self.ultra:
             return self._embed.bytes_read + self._head.bytes_read
         return 0
 
+    def counters(self) -> dict:
+        """Cumulative I/O counters of the run (the engine reports their per-step deltas)."""
+        cs = self.cache.stats()
+        ts = self.trunk.stats() if self.trunk is not None else {}
+        return {"expert_requests": cs["requests"], "expert_hits": cs["hits"], "expert_bytes_read": cs["bytes_read"],
+                "expert_read_seconds": cs["read_seconds"], "trunk_bytes_read": ts.get("bytes_read", 0),
+                "trunk_device_seconds": ts.get("device_seconds", 0.0), "table_bytes_read": self.table_bytes()}
+
     def close(self):
         if self.trunk is not None:
             self.trunk.close()
+        self.cache.close()

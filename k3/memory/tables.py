@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.io import TORCH_DTYPES, ShardFiles
-
-CHUNK_BYTES = 64 * 1024 * 1024
+from .planner import TABLE_CHUNK_BYTES as CHUNK_BYTES
 
 
 class StreamedEmbedding:

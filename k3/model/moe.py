@@ -28,7 +28,7 @@ def route(cfg, x: torch.Tensor, gate_w, bias) -> tuple[torch.Tensor, torch.Tenso
     return ids, wts * cfg.routed_scaling_factor
 
 
-def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, stats=None) -> torch.Tensor:
+def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> torch.Tensor:
     """FFN of an MoE layer on the normed input x [T, d]."""
     T = x.shape[0]
     p = "block_sparse_moe."
@@ -36,19 +36,14 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, stats=None) -> torc
     latent = cfg.latent_size is not None
     z = linear(x, w[p + "routed_expert_down_proj.weight"]) if latent else x
     uniq = sorted(set(ids.flatten().tolist()))
-    if stats is not None:
-        stats.note_experts(layer, ids)
+    if observer is not None:
+        observer.on_route(layer, ids)
     # Each expert runs once over the tokens that chose it; contributions are then summed
-    # per token in top-k order. A provider with a bounded cache says how many experts
-    # it can hand out at once (`max_experts_per_call`); they are fetched in groups.
-    group = getattr(provider, "max_experts_per_call", None) or len(uniq)
+    # per token in top-k order, whatever groups the provider hands the experts out in.
     contrib = z.new_zeros(T, cfg.num_experts_per_token, z.shape[1])
-    for g0 in range(0, len(uniq), group):
-        batch = uniq[g0:g0 + group]
-        experts = provider.experts(layer, batch)
-        for e in batch:
+    for group in provider.expert_groups(layer, uniq):
+        for e, ew in group.items():
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            ew = experts[e]
             y = linear(glu_act(cfg, linear(z[tok], ew.w1), linear(z[tok], ew.w3)), ew.w2)
             contrib[tok, slot] = y
     r = contrib[:, 0] * wts[:, :1]

@@ -1,6 +1,6 @@
 """The decoder stack: embedding -> layers -> head, for K3 and Kimi-Linear.
 
-K3 replaces the residual stream with Attention Residuals (spec 3.2): a per-token bank
+K3 replaces the residual stream with Attention Residuals (docs/MODEL.md): a per-token bank
 of block summaries R and a running partial block sum P, mixed by a learned
 pseudo-query before each sublayer. Kimi-Linear uses the plain pre-norm residual.
 All of it is fp32; the bank is per forward and never carried between steps.
@@ -35,6 +35,42 @@ class InferenceState:
     def position(self) -> int:
         return len(self.ids)
 
+    def snapshot(self) -> "Snapshot":
+        """A cheap snapshot: references to the KDA tensors (the math replaces them, it
+        never writes into them) and the MLA cache lengths."""
+        layers = []
+        for ls in self.layers:
+            layers.append((ls.conv_q, ls.conv_k, ls.conv_v, ls.S) if isinstance(ls, KDAState) else ls.length)
+        return Snapshot(len(self.ids), layers)
+
+    def restore(self, snap: "Snapshot") -> None:
+        """Back to `snap` (after a forward pass was cut short, or to undo tokens)."""
+        del self.ids[snap.n_ids:]
+        for ls, s in zip(self.layers, snap.layers):
+            if isinstance(ls, KDAState):
+                ls.conv_q, ls.conv_k, ls.conv_v, ls.S = s
+            elif s == 0:
+                ls.k = ls.v = None
+            elif ls.length != s:
+                ls.k, ls.v = ls.k[:s].clone(), ls.v[:s].clone()
+
+
+@dataclass
+class Snapshot:
+    n_ids: int
+    layers: list
+
+
+class Observer:
+    """What a caller may watch during a forward pass (progress, interrupts, routing
+    statistics). Subclass and override; the defaults do nothing."""
+
+    def on_layer(self, i: int) -> None:
+        """Layer i is done (a good place to raise KeyboardInterrupt: nothing is held)."""
+
+    def on_route(self, layer: int, ids) -> None:
+        """The router of `layer` chose `ids` [T, top-k] (long) for this pass."""
+
 
 class Model:
     """Pure math over a WeightProvider. `forward` processes new tokens, extending
@@ -45,8 +81,6 @@ class Model:
         self.cfg = provider.config
         self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
         self.kda_chunked = kda_chunked
-        self.stats = None
-        self.on_layer = None  # progress hook: callable(layer_index)
 
     def new_state(self) -> InferenceState:
         return InferenceState.fresh(self.cfg, self.n_layers)
@@ -56,18 +90,18 @@ class Model:
             return mla_layer(self.cfg, w, x, st)
         return kda_layer(self.cfg, w, x, st, self.kda_chunked)
 
-    def _ffn(self, i, w, x):
+    def _ffn(self, i, w, x, obs):
         if self.cfg.is_moe(i):
-            return moe_block(self.cfg, w, x, i, self.provider, self.stats)
+            return moe_block(self.cfg, w, x, i, self.provider, obs)
         return dense_mlp(self.cfg, w, x)
 
-    def plain_layer(self, i, w, h, st):
+    def plain_layer(self, i, w, h, st, obs=None):
         eps = self.cfg.rms_norm_eps
         h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), st)
-        return h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps))
+        return h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps), obs)
 
-    def attn_res_layer(self, i, w, bank: list, P, st):
-        """One K3 layer (spec 3.2). `bank` is extended in place on block boundaries;
+    def attn_res_layer(self, i, w, bank: list, P, st, obs=None):
+        """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
         returns the new partial block sum P."""
         eps = self.cfg.rms_norm_eps
         x = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps) if bank else P
@@ -77,9 +111,9 @@ class Model:
         a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), st)
         P = a if P is None else P + a
         y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
-        return P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps))
+        return P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps), obs)
 
-    def hidden(self, ids, state: InferenceState | None = None) -> torch.Tensor:
+    def hidden(self, ids, state: InferenceState | None = None, observer: Observer | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
         cfg = self.cfg
         if state is None:
@@ -93,13 +127,13 @@ class Model:
             w = self.provider.layer(i)
             try:
                 if B is None:  # Kimi-Linear: plain pre-norm residual
-                    h = self.plain_layer(i, w, h, state.layers[i])
+                    h = self.plain_layer(i, w, h, state.layers[i], observer)
                 else:
-                    P = self.attn_res_layer(i, w, bank, P, state.layers[i])
+                    P = self.attn_res_layer(i, w, bank, P, state.layers[i], observer)
             finally:  # also on a failed read or an interrupt: a streamer must not keep it held
                 self.provider.release_layer(i)
-            if self.on_layer is not None:
-                self.on_layer(i)
+            if observer is not None:
+                observer.on_layer(i)
         state.ids.extend(int(t) for t in ids)
         if B is None:
             return h
@@ -110,6 +144,9 @@ class Model:
         g = self.provider.global_weight
         return linear(rms_norm(h, g("norm.weight"), self.cfg.rms_norm_eps), g("lm_head.weight"))
 
-    def forward(self, ids, state: InferenceState | None = None, last_only: bool = True) -> torch.Tensor:
-        h = self.hidden(ids, state)
+    def forward(self, ids, state: InferenceState | None = None, last_only: bool = True,
+                observer: Observer | None = None) -> torch.Tensor:
+        """Logits for the new tokens `ids` (the last one only unless `last_only` is
+        False), extending `state` if given (incremental) or from nothing (full recompute)."""
+        h = self.hidden(ids, state, observer)
         return self.logits(h[-1:] if last_only else h)

@@ -2,7 +2,8 @@
 
 The math asks a WeightProvider for a layer's tensors by their checkpoint names
 (without the `language_model.model.layers.{i}.` prefix), for one layer's routed experts
-by id, and for the global tensors. It never opens a file. A resident provider (read
+by id (handed out in whatever groups the provider's memory allows), and for the global
+tensors. It never opens a file and never asks how the weights are held. A resident provider (read
 everything once), a streaming provider (trunk ring + expert cache) and a dict provider
 (tests) all implement this.
 
@@ -13,7 +14,7 @@ Mxfp4Weight for packed experts. Small vectors may be widened to fp32 by the prov
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -72,8 +73,10 @@ class WeightProvider(Protocol):
         """Layer i's non-expert tensors, keyed by name relative to the layer prefix,
         e.g. `self_attn.q_proj.weight`."""
 
-    def experts(self, i: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        """The routed experts `ids` of layer i (all must be returned, or raise)."""
+    def expert_groups(self, i: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        """The routed experts `ids` (distinct) of layer i, in groups: every id appears in
+        exactly one group, and a group's weights are valid until the next group is asked
+        for (a bounded cache may reuse their memory)."""
 
     def release_layer(self, i: int) -> None:
         """The math is done with layer i for this step (a streaming provider may reuse it)."""
@@ -103,7 +106,7 @@ class DictWeights:
                                if k.startswith(p) and ".experts." not in k}
         return self._layers[i]
 
-    def experts(self, i, ids):
+    def expert_groups(self, i, ids):
         out = {}
         for e in ids:
             p = f"layers.{i}.block_sparse_moe.experts.{e}."
@@ -114,7 +117,7 @@ class DictWeights:
                 else:
                     ws.append(self.t[p + w + ".weight"])
             out[e] = ExpertWeights(*ws)
-        return out
+        yield out
 
     def release_layer(self, i):
         pass

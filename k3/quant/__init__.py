@@ -14,22 +14,10 @@ results are bit-identical for any thread count and any number of tokens per call
 
 from __future__ import annotations
 
-import os
+import numba
 
-# OpenMP workers busy-wait after every parallel region by default. On a small machine
-# that spinning steals the core the other worker (or another process) needs: measured on
-# the 2-core box under load, mxfp4_linear fell from 4.3 to 0.7 GB/s with 2 threads.
-# Sleeping workers cost a few microseconds per call instead. Caveat: numba's OpenMP
-# layer ends up on the libgomp that torch bundles (its GOMP symbols bind to the copy
-# loaded first), and libgomp reads this variable when it is loaded, i.e. at
-# `import torch`. So this line only helps when k3.quant is imported before torch; the
-# program's entry point should set it before importing torch. An explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numba  # noqa: E402
-
-from .bf16 import LANES, bf16_linear  # noqa: E402
-from .mxfp4 import E2M1, decode_mxfp4, mxfp4_linear  # noqa: E402
+from .bf16 import LANES, bf16_linear
+from .mxfp4 import E2M1, decode_mxfp4, mxfp4_linear
 
 __all__ = ["bf16_linear", "decode_mxfp4", "mxfp4_linear", "E2M1", "LANES",
            "set_num_threads", "get_num_threads", "max_threads"]

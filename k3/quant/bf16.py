@@ -96,6 +96,38 @@ def _vstore(builder, val, base, elem_index):
     builder.store(val, p, align=4)
 
 
+def counted_loop(builder, n, inits: list, body, name: str) -> list:
+    """IR for ``for j in range(n): values = body(j, values)``, the values carried in
+    registers (phi nodes) so LLVM never spills them to memory between iterations.
+    Returns the final values (``inits`` when n == 0). ``n`` is an i64."""
+    zero = _I64(0)
+    pre = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
+    builder.position_at_end(loop)
+    j = builder.phi(_I64)
+    cur = [builder.phi(v.type) for v in inits]
+    j.add_incoming(zero, pre)
+    for c, v in zip(cur, inits):
+        c.add_incoming(v, pre)
+    new = body(j, cur)
+    jn = builder.add(j, _I64(1))
+    tail = builder.block
+    j.add_incoming(jn, tail)
+    for c, v in zip(cur, new):
+        c.add_incoming(v, tail)
+    builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
+    builder.position_at_end(done)
+    fins = []
+    for v0, v1 in zip(inits, new):  # all phis first (LLVM requires them at the block's top)
+        fin = builder.phi(v0.type)
+        fin.add_incoming(v0, pre)
+        fin.add_incoming(v1, tail)
+        fins.append(fin)
+    return fins
+
+
 def widen_bf16_vec(builder, v16):
     """<64 x i16> bf16 bit patterns -> <64 x float> (exact)."""
     v = builder.zext(v16, _VI32)
@@ -172,41 +204,23 @@ def make_vdot(nt, nr, streams, wkind):
                 accp = [_row_ptr(context, builder, acc_t, acc_v, a, zero) for a in ai]
                 xp = [_row_ptr(context, builder, ty, v, t, xoff) for t in xi for (ty, v) in xarr]
                 a0 = [_vload(builder, p, zero, _F32, LANES) for p in accp]
-                pre = builder.block
-                loop = builder.append_basic_block("vdot.loop")
-                done = builder.append_basic_block("vdot.done")
-                builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
-                builder.position_at_end(loop)
-                j = builder.phi(_I64)
-                acc = [builder.phi(_VF) for _ in a0]
-                j.add_incoming(zero, pre)
-                for a, v in zip(acc, a0):
-                    a.add_incoming(v, pre)
-                off = builder.mul(j, _I64(LANES))
-                xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
-                if wkind == "f32":
-                    wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
-                else:
-                    wv = [widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)) for p in wp]
-                new = list(acc)
-                for s in range(streams):
-                    for t in range(nt):
-                        for r in range(nr):
-                            k = t * nr + r
-                            new[k] = _vfma(builder, xv[t * streams + s], wv[r * streams + s], new[k])
-                jn = builder.add(j, _I64(1))
-                tail = builder.block
-                j.add_incoming(jn, tail)
-                for a, v in zip(acc, new):
-                    a.add_incoming(v, tail)
-                builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
-                builder.position_at_end(done)
-                fins = []
-                for v0, v1 in zip(a0, new):       # all phis first, then the stores
-                    fin = builder.phi(_VF)
-                    fin.add_incoming(v0, pre)
-                    fin.add_incoming(v1, tail)
-                    fins.append(fin)
+
+                def body(j, acc):
+                    off = builder.mul(j, _I64(LANES))
+                    xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
+                    if wkind == "f32":
+                        wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
+                    else:
+                        wv = [widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)) for p in wp]
+                    new = list(acc)
+                    for s in range(streams):
+                        for t in range(nt):
+                            for r in range(nr):
+                                k = t * nr + r
+                                new[k] = _vfma(builder, xv[t * streams + s], wv[r * streams + s], new[k])
+                    return new
+
+                fins = counted_loop(builder, n, a0, body, "vdot")
                 for p, fin in zip(accp, fins):
                     _vstore(builder, fin, p, zero)
             return context.get_dummy_value()
@@ -381,20 +395,25 @@ def _launch(kernel, work, *args):
         kernel(*args, nth)
 
 
+def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
+    """A CPU torch tensor or numpy array of the given dtype -> numpy (no copy); ValueError
+    naming ``name`` for anything else."""
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got device {a.device}")
+        if a.dtype != torch_dtype:
+            raise ValueError(f"{name} must be {str(torch_dtype).replace('torch.', '')}, got {a.dtype}")
+        return a.detach().numpy()
+    if isinstance(a, np.ndarray):
+        if a.dtype != np_dtype:
+            raise ValueError(f"{name} must be {np.dtype(np_dtype).name}, got numpy {a.dtype}")
+        return a
+    raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+
+
 def _as_f32_activations(x, name="x"):
     """x (torch or numpy, float32, 1-D or 2-D) -> (C-contiguous float32 numpy [T, K], was_1d)."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
-        if x.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {x.dtype}")
-        xn = x.detach().numpy()
-    elif isinstance(x, np.ndarray):
-        if x.dtype != np.float32:
-            raise ValueError(f"{name} must be float32, got numpy {x.dtype}")
-        xn = x
-    else:
-        raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    xn = as_cpu_array(x, name, torch.float32, np.float32)
     if xn.ndim not in (1, 2):
         raise ValueError(f"{name} must be 2-D [T, K] (or 1-D [K]), got shape {tuple(xn.shape)}")
     was_1d = xn.ndim == 1

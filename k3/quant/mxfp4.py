@@ -1,6 +1,6 @@
 """MXFP4 ("mxfp4-pack-quantized", compressed-tensors) decode and fused decode+matmul.
 
-Format (spec section 4): a logical weight W [R, C] is stored as ``packed`` uint8 [R, C/2]
+Format (docs/MODEL.md §4): a logical weight W [R, C] is stored as ``packed`` uint8 [R, C/2]
 and ``scale`` uint8 [R, C/32]. Byte j of a row holds element 2j in its low nibble and
 element 2j+1 in its high nibble. Nibble n: sign = bit 3, magnitude = E2M1[n & 7].
 W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
@@ -44,8 +44,8 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum, _vfma,
-                   _vload, _vstore, _zero, make_vdot)
+from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum, _vfma, _vload, _vstore, _zero,
+                   as_cpu_array, counted_loop, make_vdot)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "encode_mxfp4", "GROUP"]
 
@@ -83,45 +83,29 @@ def _scale_bits_ir(builder, s, vt):
     return builder.select(builder.icmp_unsigned("==", s, c(255)), c(0), bits)
 
 
-def _make_nibble_decoder(high: bool):
-    """Scalar: uint8 byte -> float32 E2M1 value of its low (or high) nibble, unscaled."""
+def _u8_to_f32(transform):
+    """A numba intrinsic: uint8 byte -> the float32 whose bits ``transform`` builds from
+    the zero-extended byte (``transform(builder, v, i32)``)."""
 
     @intrinsic
-    def dec(typingctx, b):
+    def conv(typingctx, b):
         if not isinstance(b, types.Integer) or b.bitwidth != 8:
             return None
-        sig = types.float32(b)
 
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
-            v = builder.zext(args[0], i32)
-            if high:
-                v = builder.lshr(v, i32(4))
-            n = builder.and_(v, i32(15))
-            return builder.bitcast(_dec_nibble_ir(builder, n, i32), ir.FloatType())
+            return builder.bitcast(transform(builder, builder.zext(args[0], i32), i32), ir.FloatType())
 
-        return sig, codegen
+        return types.float32(b), codegen
 
-    return dec
+    return conv
 
 
-_dec_lo = _make_nibble_decoder(False)
-_dec_hi = _make_nibble_decoder(True)
-
-
-@intrinsic
-def _scale_f32(typingctx, s):
-    """Scalar: scale byte -> its fp32 factor (255 -> 0.0)."""
-    if not isinstance(s, types.Integer) or s.bitwidth != 8:
-        return None
-    sig = types.float32(s)
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        v = builder.zext(args[0], i32)
-        return builder.bitcast(_scale_bits_ir(builder, v, i32), ir.FloatType())
-
-    return sig, codegen
+# Scalar: the E2M1 value of a byte's low / high nibble (unscaled), and a scale byte's
+# fp32 factor (255 -> 0.0).
+_dec_lo = _u8_to_f32(lambda bld, v, i32: _dec_nibble_ir(bld, bld.and_(v, i32(15)), i32))
+_dec_hi = _u8_to_f32(lambda bld, v, i32: _dec_nibble_ir(bld, bld.and_(bld.lshr(v, i32(4)), i32(15)), i32))
+_scale_f32 = _u8_to_f32(_scale_bits_ir)
 
 
 _GPJ = LANES // 16  # scale groups per 64-byte step
@@ -166,33 +150,18 @@ def _vdot_mxfp4(typingctx, acc, xe, xo, pk, sc, nj):
 
     def codegen(context, builder, sig, args):
         I64 = ir.IntType(64)
-        VF = ir.VectorType(ir.FloatType(), LANES)
         ap, xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:5], args[:5]))
         n = context.cast(builder, args[5], sig.args[5], types.int64)
         zero = I64(0)
         a0 = _vload(builder, ap, zero, ir.FloatType(), LANES)
-        pre = builder.block
-        loop = builder.append_basic_block("vmx.loop")
-        done = builder.append_basic_block("vmx.done")
-        builder.cbranch(builder.icmp_signed(">", n, zero), loop, done)
-        builder.position_at_end(loop)
-        j = builder.phi(I64)
-        a = builder.phi(VF)
-        j.add_incoming(zero, pre)
-        a.add_incoming(a0, pre)
-        we, wo = _decode_step_ir(builder, pp, sp, j)
-        off = builder.mul(j, I64(LANES))
-        a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, a)
-        a2 = _vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)
-        jn = builder.add(j, I64(1))
-        tail = builder.block
-        j.add_incoming(jn, tail)
-        a.add_incoming(a2, tail)
-        builder.cbranch(builder.icmp_signed("<", jn, n), loop, done)
-        builder.position_at_end(done)
-        fin = builder.phi(VF)
-        fin.add_incoming(a0, pre)
-        fin.add_incoming(a2, tail)
+
+        def body(j, acc):
+            we, wo = _decode_step_ir(builder, pp, sp, j)
+            off = builder.mul(j, I64(LANES))
+            a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
+            return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
+
+        fin, = counted_loop(builder, n, [a0], body, "vmx")
         _vstore(builder, fin, ap, zero)
         return context.get_dummy_value()
 
@@ -341,17 +310,7 @@ def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc, nth):
 
 # --------------------------------------------------------------------------- wrappers
 def _as_u8(a, name):
-    if isinstance(a, torch.Tensor):
-        if a.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {a.device}")
-        if a.dtype != torch.uint8:
-            raise ValueError(f"{name} must be uint8, got {a.dtype}")
-        a = a.detach().numpy()
-    elif isinstance(a, np.ndarray):
-        if a.dtype != np.uint8:
-            raise ValueError(f"{name} must be uint8, got numpy {a.dtype}")
-    else:
-        raise ValueError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+    a = as_cpu_array(a, name, torch.uint8, np.uint8)
     if a.ndim != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
     if not a.flags.c_contiguous:

@@ -1,0 +1,114 @@
+"""Argument groups several commands share, and what they turn into: memory budgets
+(:class:`k3.memory.planner.Budgets`), sampling settings, output-path checks.
+
+Nothing here imports torch: `k3 --help` builds every parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+def err(msg: str = "") -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- memory budgets
+class _BudgetEvent(argparse.Action):
+    """--preset / --trunk-gb / --cache-gb are applied in command-line order."""
+
+    def __call__(self, parser, ns, value, option_string=None):
+        ns.budget_events = list(getattr(ns, "budget_events", None) or []) + [(self.dest, value)]
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory (later flags override earlier ones)")
+    g.add_argument("--preset", dest="preset", action=_BudgetEvent, metavar="NAME",
+                   help="laptop | desktop | workstation | server | max | ultra | auto (default auto: the plan "
+                        "that fits and reads the fewest bytes per token)")
+    g.add_argument("--trunk-gb", dest="trunk_gb", action=_BudgetEvent, metavar="X|auto",
+                   help="budget for pinned trunk layers + the ring (with --trunk)")
+    g.add_argument("--cache-gb", dest="cache_gb", action=_BudgetEvent, metavar="X",
+                   help="routed-expert cache arena")
+    g.add_argument("--trunk", metavar="DIR", help="packed trunk (k3 pack-trunk): stream the trunk within --trunk-gb")
+    g.add_argument("--trunk-ring", type=int, default=2, metavar="N", help="ring slots for streamed layers (default 2)")
+    g.add_argument("--ultra-low-memory", action="store_true",
+                   help="stream the embedding and lm_head too (bit-identical, slower)")
+    g.add_argument("--io-threads", type=int, default=4, metavar="N", help="parallel reads (default 4)")
+    p.set_defaults(budget_events=[])
+
+
+def budgets_from_args(args):
+    """The Budgets the flags ask for. A preset replaces the trunk/cache budgets given
+    before it; --trunk-gb / --cache-gb after it override its values."""
+    from ..memory.planner import Budgets
+
+    b = Budgets(trunk=args.trunk, trunk_ring=args.trunk_ring, ultra_low_memory=args.ultra_low_memory,
+                io_threads=args.io_threads)
+    for kind, value in args.budget_events or []:
+        if kind == "preset":
+            b.preset, b.trunk_gb, b.cache_gb = value, None, None
+        elif kind == "trunk_gb":
+            b.trunk_gb = value
+        else:
+            b.cache_gb = value
+    b.check()
+    return b
+
+
+# ---------------------------------------------------------------- sampling
+def add_sampling_args(parser) -> None:
+    """--temperature, --top-p, --top-k, --seed, --greedy."""
+    g = parser.add_argument_group(
+        "sampling", "defaults from the model's generation_config.json when it samples (K3: temperature 1.0, "
+                    "top-p 0.95); greedy when there is none")
+    g.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="softmax temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus: keep the smallest set of "
+                   "most likely tokens whose probability reaches P (1 = off)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep only the K most likely tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed so the run "
+                   "can be repeated); a seeded run gives the same tokens at every memory budget and thread count")
+    g.add_argument("--greedy", action="store_true", help="greedy decoding (argmax), whatever the defaults say")
+
+
+def sampling_from_args(args, model_dir):
+    """The sampling settings the flags ask for (None = greedy)."""
+    from ..sampling import resolve
+
+    return resolve(model_dir, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   greedy=args.greedy)
+
+
+# ---------------------------------------------------------------- model selection
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config.json to use instead of MODEL/config.json")
+    p.add_argument("--layers", type=int, help="run only the first N layers (NOT the full model; for testing)")
+    p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="print the whole memory plan, the load messages and (k3 run) a per-step table")
+
+
+def check_model_dir(model) -> None:
+    if model is None:
+        raise UsageError("give the model folder as the first argument.")
+    if not Path(model).is_dir():
+        raise UsageError(f"{model}: not a folder. Give the model folder (config.json + shards) as the first argument.")
+
+
+def check_output_path(path, flag: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: its folder does
+    not exist, or it is a folder itself."""
+    if path is None:
+        return
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: that is a folder; give a file name.")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist. Create it or choose another path; "
+                         "nothing was run.")

@@ -1,0 +1,22 @@
+"""`k3 pack-trunk MODEL OUT`: the dense trunk as one aligned file, for --trunk."""
+
+from __future__ import annotations
+
+HELP = "pack the dense trunk into one file for streaming (trunk.bin + trunk.json)"
+DESCRIPTION = ("Copy every layer's non-expert tensors into OUT/trunk.bin (one 4096-aligned run per layer) and "
+               "describe them in OUT/trunk.json. Interrupted packs resume by layer.")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="model folder (config.json, model.safetensors.index.json, shards)")
+    p.add_argument("out", help="output folder for trunk.bin + trunk.json (created)")
+    p.add_argument("--config", help="config.json to use instead of MODEL/config.json")
+    p.add_argument("--force", action="store_true", help="re-pack even if OUT already holds this trunk")
+    p.add_argument("--restart", action="store_true", help="start over instead of resuming an interrupted pack")
+
+
+def run(args) -> int:
+    from ..memory.trunk import pack_trunk
+
+    pack_trunk(args.model, args.out, None, config_path=args.config, force=args.force, restart=args.restart)
+    return 0

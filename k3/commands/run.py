@@ -1,0 +1,340 @@
+"""`k3 run MODEL --prompt TEXT`: generate from a prompt.
+
+stdout carries only the generated text (the ids, without a tokenizer; the JSON result
+with --json); a compact summary follows on stderr, the per-step table with --verbose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..errors import EXIT_OK, UsageError
+from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir,
+                     check_output_path, err, sampling_from_args)
+
+HELP = "generate tokens from a prompt"
+MAX_GEN = 4096
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model folder (config.json, model.safetensors.index.json, shards)")
+    src = p.add_argument_group("prompt (exactly one)")
+    src.add_argument("--prompt", help="prompt text (tokenized with the model folder's tiktoken.model)")
+    src.add_argument("--prompt-file", help="file whose bytes are the prompt text (UTF-8)")
+    src.add_argument("--ids", help="raw token ids, comma or space separated (no tokenizer needed)")
+    p.add_argument("--gen", "--max-tokens", dest="gen", type=int, default=8,
+                   help=f"tokens to generate (default 8, at most {MAX_GEN})")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--incremental", dest="incremental", action="store_true", default=True,
+                      help="prefill once, then one token per step carrying the KDA state and the MLA KV cache "
+                           "(the default)")
+    mode.add_argument("--full-recompute", dest="incremental", action="store_false",
+                      help="re-read the whole prefix every step (no KV cache; the C engine's validation mode)")
+    add_model_args(p)
+    p.add_argument("--out", help="write a JSON result (ids, timings, statistics) to this file")
+    p.add_argument("--dump-logits", help="write the first step's float32 logits (raw little-endian) here")
+    p.add_argument("--dump-cache-trace", metavar="DIR", help="write expert_trace.bin + expert_hist.json here")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout instead of text")
+    p.add_argument("--list-presets", action="store_true", help="print the memory presets and exit")
+    p.add_argument("--save-state", metavar="PATH",
+                   help="after the run, write the carried state (ids, KDA/conv state, MLA KV) here")
+    p.add_argument("--load-state", metavar="PATH",
+                   help="resume from a state file; the prompt is appended to its sequence")
+    add_budget_args(p)
+    add_sampling_args(p)
+
+
+def parse_ids(text: str) -> list[int]:
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"--ids must be integers separated by commas or spaces, got {text!r}.") from None
+
+
+def _read_prompt(args) -> tuple[list[int], object]:
+    """(prompt ids, tokenizer or None). Text is tokenized here, before the model is
+    opened, because the memory plan needs the prompt's length."""
+    given = [x for x in (args.prompt, args.prompt_file, args.ids) if x is not None]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --prompt, --prompt-file or --ids.")
+    if args.ids is not None:
+        return parse_ids(args.ids), None
+    from ..tokenizer import Tokenizer
+    tok = Tokenizer(args.model)
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UsageError(f"{args.prompt_file}: cannot read the prompt file ({e.strerror}).") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.prompt_file}: the prompt file is not UTF-8 text.") from None
+    else:
+        text = args.prompt
+    return tok.encode(text), tok
+
+
+class LiveLine:
+    """A progress bar on stderr for long phases (loading the trunk, a long prefill):
+    terminals only, and only once a phase has lasted a second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def update(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        dt = time.perf_counter() - self.t0
+        if dt < 1.0 and not self.shown:
+            return
+        width = 24
+        fill = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r  {what} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} layers {dt:.1f} s ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r" + " " * 72 + "\r")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def _prefill_observer(line: LiveLine, n_layers: int):
+    from ..model.stack import Observer
+
+    class PrefillProgress(Observer):
+        active = True
+
+        def on_layer(self, i):
+            if self.active:
+                line.update("prefill", i + 1, n_layers)
+
+    return PrefillProgress()
+
+
+def run(args) -> int:
+    from ..config import load_config
+    from ..engine import check_ids, load, set_threads
+    from ..memory.planner import peak_rss_bytes, presets_table
+    from ..units import human
+
+    t_start = time.perf_counter()
+    if args.list_presets:
+        print(presets_table())
+        return EXIT_OK
+    check_model_dir(args.model)
+    if not 0 <= args.gen <= MAX_GEN:
+        raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {args.gen}.")
+    if (args.save_state or args.load_state) and not args.incremental:
+        raise UsageError("--save-state/--load-state carry the incremental state; drop --full-recompute.")
+    for path, flag in ((args.out, "--out"), (args.dump_logits, "--dump-logits"), (args.save_state, "--save-state")):
+        check_output_path(path, flag)
+    budgets = budgets_from_args(args)
+    threads = set_threads(args.threads)
+    cfg = load_config(args.config or args.model)
+    ids, tok = _read_prompt(args)
+    ids = check_ids(cfg, ids)
+    sampling = sampling_from_args(args, args.model)
+    verbose = args.verbose
+    info = err if verbose else (lambda msg="": None)
+    err(cfg.summary())
+    info(f"  {sampling.describe()}" if sampling is not None else "  sampling: greedy (argmax)")
+    info(f"  prompt   : {len(ids)} tokens, generating {args.gen} "
+         f"({'incremental' if args.incremental else 'full recompute'}), {threads} threads")
+    if args.layers is not None:
+        if not 1 <= args.layers <= cfg.num_hidden_layers:
+            raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
+        err(f"  WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers "
+            "run. Output is NOT the full model.")
+    loaded = None
+    if args.load_state:
+        from ..state import load_state
+        loaded = load_state(args.load_state, cfg, max_positions=None, n_layers=args.layers)
+        info(f"resuming from {args.load_state}: {len(loaded.tokens)} prior positions, {len(ids)} new")
+    prior_tokens = list(loaded.tokens) if loaded is not None else []
+    tty = sys.stderr.isatty()
+    line = LiveLine(tty)
+    n_layers = args.layers or cfg.num_hidden_layers
+    notes = []
+
+    def log(msg=""):
+        if verbose:
+            err(msg)
+        elif msg.startswith(("auto:", "note:", "ring held")):
+            notes.append(msg)
+
+    eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
+               max_context=len(prior_tokens) + len(ids) + args.gen + 1, kv_cache=args.incremental,
+               trace=bool(args.dump_cache_trace), log=log,
+               progress=lambda i: line.update("loading", i + 1, n_layers))
+    line.clear()
+    if not verbose:
+        err(eng.plan.summary())
+    for n in notes:
+        err(n)
+    try:
+        return _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads, line, t_start,
+                         verbose, human, peak_rss_bytes)
+    finally:
+        eng.close()
+
+
+def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads, line, t_start, verbose, human,
+              peak_rss_bytes) -> int:
+    from ..fsutil import atomic_write, atomic_write_json
+
+    prov = eng.provider
+    tok = tok or eng.tokenizer
+    if verbose:
+        c = prov.cache
+        err(f"model tables: {'STREAMED (ultra-low-memory)' if prov.ultra else 'resident'}; "
+            f"loaded in {eng.load_seconds:.2f} s")
+        err(f"expert cache: {c.n_slots} slots x {human(c.slot_bytes)} = {human(c.arena_bytes)}")
+        err(f"peak RSS after loading weights: {human(peak_rss_bytes())}  (the plan above is a forecast, this is "
+            "measured)")
+        err("")
+        err(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'HIT %':>7} {'READ GB':>9} {'TOK/S':>8}")
+        err("-" * 52)
+    block_text = tok is not None and not args.json and verbose and sys.stdout.isatty() and sys.stderr.isatty()
+    stream_text = tok is not None and not args.json and not block_text
+    state = loaded.state if loaded is not None else (eng.new_state() if args.incremental else None)
+    feed = (loaded.pending + ids) if loaded is not None else ids
+    observer = _prefill_observer(line, eng.n_layers)
+    steps = []
+    line.start()
+    try:
+        for s in eng.generate(feed, max_tokens=args.gen, sampling=sampling, incremental=args.incremental,
+                              state=state, observer=observer):
+            observer.active = False  # the bar is for the prefill only
+            line.clear()
+            steps.append(s)
+            if s.step == 0 and args.dump_logits:
+                atomic_write(args.dump_logits, s.logits.detach().float().numpy().astype("<f4").tobytes(),
+                             what="the logits")
+            if verbose:
+                err(f"{s.step:>5} {s.token:>8} {s.seconds:>9.3f} {100 * s.expert_hit_rate:>7.1f} "
+                    f"{s.bytes_read / 1e9:>9.3f} {1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}")
+            if stream_text:
+                sys.stdout.write(s.text)
+                sys.stdout.flush()
+    finally:
+        line.clear()
+    if stream_text:
+        sys.stdout.write("\n")
+    gen_ids = [s.token for s in steps]
+    if block_text:
+        err("--- generated text ---")
+        print(tok.decode(gen_ids), flush=True)
+        err("----------------------")
+    result = _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling, verbose, human,
+                     peak_rss_bytes)
+    if loaded is not None:
+        result["prior_ids"] = prior_tokens
+        result["full_ids"] = prior_tokens + ids + gen_ids
+    if args.save_state:
+        from ..state import save_state
+        pending = gen_ids[-1:] if gen_ids else list(feed)  # not fed yet: the last token (or, with --gen 0, the prompt)
+        n = save_state(args.save_state, state, cfg, pending=pending)
+        err(f"wrote {args.save_state} ({human(n)}, {len(state.ids) + len(pending)} positions)")
+        result["state_file"] = args.save_state
+    if args.out:
+        atomic_write_json(args.out, result, what="the run result")
+        err(f"wrote {args.out}")
+    if args.dump_logits and steps:
+        err(f"wrote {args.dump_logits} ({cfg.vocab_size} float32 logits)")
+    if args.dump_cache_trace:
+        prov.cache.dump_trace(args.dump_cache_trace)
+        err(f"wrote {args.dump_cache_trace}/expert_trace.bin")
+    if args.json:
+        print(json.dumps(result))
+    elif tok is None:
+        print(" ".join(map(str, gen_ids)))
+    return EXIT_OK
+
+
+def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling, verbose, human,
+            peak_rss_bytes) -> dict:
+    prov, plan = eng.provider, eng.plan
+    total = sum(s.seconds for s in steps)
+    spt = total / len(steps) if steps else 0.0
+    decode = steps[1:]
+    decode_s = sum(s.seconds for s in decode)
+    prefill_s = steps[0].seconds if steps else 0.0
+    st = eng.stats()
+    cs, ts = st["expert_cache"], st["trunk"]
+    io_trunk = ts.get("device_seconds", 0.0)
+    io_exp = cs.get("read_seconds", 0.0)
+    read = sum(s.bytes_read for s in steps)
+    peak = peak_rss_bytes()
+    share = (io_trunk + io_exp) / total if total > 0 else 0.0
+    err("")
+    err(f"prompt: {len(ids)} tokens, {prefill_s:.2f} s (prefill + first token) | decode: {len(decode)} tokens, "
+        f"{len(decode) / decode_s if decode_s > 0 else 0:.2f} tok/s, {decode_s / len(decode) if decode else 0:.3f} "
+        f"s/token | peak RSS {human(peak)} | read {read / 1e9:.2f} GB | I/O share {100 * share:.0f}%")
+    if verbose:
+        err(f"{len(steps)} tokens in {total:.2f} s, {spt:.3f} s/token average")
+        err(f"PEAK RSS for the whole run: {human(peak)}   <- quote this, not the plan ({human(plan.total)})")
+        if total > 0:
+            err(f"I/O share of wall clock: {100 * share:.1f}%  (trunk {io_trunk:.2f} s + experts {io_exp:.2f} s of "
+                f"{total:.2f} s; whole-run totals over {len(steps)} steps)")
+            hidden = ts.get("overlap_seconds", 0.0)
+            if hidden > 0:
+                err(f"  {hidden:.2f} s of trunk device time was hidden behind arithmetic by the reader threads")
+        req, ev = cs.get("requests", 0), cs.get("evictions", 0)
+        err(f"experts, whole run: {cs.get('bytes_read', 0) / 1e9:.2f} GB read | {req - ev} of {req} requests "
+            f"retained in RAM ({100.0 * (req - ev) / req if req else 0:.1f}%) | {ev} evictions  "
+            "(retention = requests - evictions)")
+        if ts:
+            err(f"trunk: pinned {ts.get('pinned', 0)}/{ts.get('n_layers', 0)} layers, ring {ts.get('ring_slots', 0)} "
+                f"slots; binds {ts.get('binds', 0)}, hits {ts.get('hits', 0)}, reads {ts.get('reads', 0)}; "
+                f"read {ts.get('bytes_read', 0) / 1e9:.2f} GB in {io_trunk:.2f} s "
+                f"({ts.get('bytes_read', 0) / 1e9 / io_trunk if io_trunk > 0 else 0:.2f} GB/s device)")
+    rows = [{"step": s.step, "token": s.token, "seconds": s.seconds, "fed": s.fed,
+             "expert_requests": s.expert_requests, "expert_hits": s.expert_hits,
+             "expert_hit_pct": 100.0 * s.expert_hit_rate, "expert_bytes_read": s.expert_bytes_read,
+             "trunk_bytes_read": s.trunk_bytes_read, "table_bytes_read": s.table_bytes_read,
+             "bytes_read": s.bytes_read, "io_seconds": s.io_seconds} for s in steps]
+    return {
+        "model": str(args.model),
+        "prompt_ids": ids,
+        "generated_ids": gen_ids,
+        "full_ids": ids + gen_ids,
+        "prior_ids": None,
+        "generated_text": tok.decode(gen_ids) if tok is not None else None,
+        "mode": "incremental" if args.incremental else "full_recompute",
+        "layers_requested": args.layers if args.layers is not None else cfg.num_hidden_layers,
+        "layers": eng.n_layers,
+        "full_model": eng.n_layers == cfg.num_hidden_layers,
+        "threads": threads,
+        "preset": plan.preset,
+        "trunk_budget_bytes": plan.trunk_budget,
+        "cache_budget_bytes": plan.cache_budget,
+        "ultra_low_memory": plan.stream_tables,
+        "memory_plan": plan.as_dict(),
+        "seconds_per_token": spt,
+        "prefill_seconds": prefill_s,
+        "decode_seconds_per_token": decode_s / len(decode) if decode else None,
+        "step_seconds": [s.seconds for s in steps],
+        "steps": rows,
+        "peak_rss_bytes": peak,
+        "wall_seconds": time.perf_counter() - t_start,
+        "expert_cache": cs,
+        "trunk": ts,
+        "expert_bytes_read": cs.get("bytes_read", 0),
+        "trunk_bytes_read": ts.get("bytes_read", 0) if ts else prov.bytes_read,
+        "table_bytes_read": prov.table_bytes(),
+        "bytes_read": read,
+        "io_share": share,
+        "sampling": ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                      "seed": sampling.seed} if sampling is not None else "greedy"),
+    }

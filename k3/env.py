@@ -1,0 +1,37 @@
+"""Every environment variable k3 reads, in one place.
+
+Users set ``K3_CACHE`` (where `k3 demo` keeps its checkpoint and `k3 chat` its
+histories), ``K3_PIN_PREFIX=1`` (pin trunk layers as a prefix, the C engine's v1.0.0
+order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for the
+expert arena) and ``K3_DEBUG=1`` (show tracebacks). ``K3_TEST_FAULT`` injects read
+failures for the tests of the failure path.
+
+``OMP_WAIT_POLICY`` is set (to PASSIVE, unless the user set it) in ``k3/__init__.py``:
+libgomp reads it when torch is imported, so it must happen before that.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("K3_CACHE") or Path.home() / ".cache" / "k3")
+
+
+def pin_order() -> str:
+    """'prefix' with K3_PIN_PREFIX=1, else 'largest'."""
+    return "prefix" if os.environ.get("K3_PIN_PREFIX") == "1" else "largest"
+
+
+def hugepages() -> bool:
+    return os.environ.get("K3_NOHUGE") is None
+
+
+def debug() -> bool:
+    return os.environ.get("K3_DEBUG", "") not in ("", "0")
+
+
+def test_fault() -> str | None:
+    return os.environ.get("K3_TEST_FAULT") or None

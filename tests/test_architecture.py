@@ -1,0 +1,110 @@
+"""Structure the code must keep: imports go one way (no cycle among k3's modules, the
+library never imports the command line), and `k3 --help` / `k3 presets` stay cheap
+(no torch). Function-level imports count: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "k3"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """Every k3 module `path` imports (at any depth), resolved to module names."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "k3"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "k3":
+                continue
+            out.add(mod)
+            for a in node.names:  # `from . import env` imports a module
+                out.add(f"{mod}.{a.name}")
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for m in _imports(path, name):
+            while m and m not in files:  # `from .x import y` where y is a name, not a module
+                m = m.rpartition(".")[0]
+            if m and m != name and m != "k3":  # the package root only sets an env var
+                deps.add(m)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph):
+    seen, stack, on, found = set(), [], set(), []
+
+    def visit(v):
+        seen.add(v)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w in on:
+                found.append(stack[stack.index(w):] + [w])
+            elif w not in seen:
+                visit(w)
+        stack.pop()
+        on.discard(v)
+
+    for v in sorted(graph):
+        if v not in seen:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_k3_modules():
+    cycles = _cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) and not _cycles({"a": {"b"}, "b": set()})
+
+
+def test_only_the_command_line_imports_the_commands():
+    graph = import_graph()
+    bad = sorted(m for m, deps in graph.items() if not m.startswith(("k3.commands", "k3.cli", "k3.__main__"))
+                 and any(d.startswith(("k3.commands", "k3.cli")) for d in deps))
+    assert not bad, f"library modules importing the command line: {bad}"
+
+
+def test_help_and_presets_do_not_import_torch():
+    code = ("import sys, contextlib, io\n"
+            "import k3.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    k3.cli.main(['presets'])\n"
+            "    try:\n"
+            "        k3.cli.main(['--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in ('torch', 'numba', 'numpy') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
