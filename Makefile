@@ -1,31 +1,37 @@
-# Two entry points (see README): `make demo` and `make test`. Both create the
-# virtual environment on first use; torch is pinned to the local CPU wheel.
+# Two entry points (see README): `make demo` and `make test`. Both create the virtual
+# environment on first use; torch is pinned to the local CPU wheel. `make demo` installs
+# only what running needs; `make test` adds the test dependencies.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.k3-installed
+RUN    := $(VENV)/.k3-installed
+TESTS  := $(VENV)/.k3-test-installed
 
 .PHONY: setup demo test test-all bench clean
 
-setup: $(STAMP)
+setup: $(RUN)
 
-$(STAMP): pyproject.toml
+$(RUN): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUN)
 
-demo: setup
+$(TESTS): $(RUN)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(TESTS)
+
+demo: $(RUN)
 	$(BIN)/k3 demo
 
-test: setup
+test: $(TESTS)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-all: setup
+test-all: $(TESTS)
 	$(BIN)/python -m pytest -q
 
-bench: setup
+bench: $(RUN)
 	$(BIN)/python benchmarks/bench_kernels.py --quick
 
 clean:
