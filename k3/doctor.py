@@ -186,12 +186,12 @@ def check_cpu(rep: Report) -> None:
 def check_memory(rep: Report) -> dict:
     lines = rep.section("memory")
     try:
-        from .memory import planner
+        from .memory import planner, sysmem
     except ImportError:  # pragma: no cover - planner not in this build
         lines.append("the memory planner is not available in this build")
         return {}
     try:
-        mi = planner.meminfo()
+        mi = sysmem.meminfo()
     except K3Error as e:
         rep.warnings.append(str(e))
         return {}
@@ -437,9 +437,10 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
         sizes = facts.sizes if facts is not None and facts.sizes is not None else _k3_sizes(trunk, tables)
         cfg = facts.cfg if facts is not None and facts.cfg is not None else None
         if cfg is not None:
+            from .memory.sysmem import baseline_bytes
             try:
                 plan = planner.plan(cfg, sizes, planner.Budgets(preset="auto", trunk="(packed)"), tokens=4096,
-                                    incremental=True, available=avail, baseline=planner.baseline_bytes())
+                                    incremental=True, available=avail, baseline=baseline_bytes())
                 plan.check()
                 lines.append(f"with a packed trunk, {plan.summary()}")
                 for n in plan.notes:

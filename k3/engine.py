@@ -27,7 +27,7 @@ import torch
 from . import env
 from .config import ModelConfig, load_config
 from .errors import UsageError
-from .memory import planner
+from .memory import planner, sysmem
 from .memory.planner import Budgets, Plan
 from .model.stack import InferenceState, Model, Observer
 from .units import human
@@ -357,7 +357,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     sizes = model_sizes(layout, packed)
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context), incremental=kv_cache,
-                        available=planner.meminfo()["MemAvailable"], baseline=planner.baseline_bytes(),
+                        available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
                         n_layers=layout.n_layers, pin_order=env.pin_order())
     for n in plan.notes:
         say(n)

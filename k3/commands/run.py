@@ -125,7 +125,8 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 def run(args) -> int:
     from ..config import load_config
     from ..engine import check_ids, load, set_threads
-    from ..memory.planner import peak_rss_bytes, presets_table
+    from ..memory.planner import presets_table
+    from ..memory.sysmem import peak_rss_bytes
     from ..units import human
 
     t_start = time.perf_counter()
