@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from . import __version__, env
@@ -36,7 +37,18 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_CHECKPOINT}  checkpoint malformed, truncated or incomplete (missing shard or tensor)
   {EXIT_READ}  a weight read failed during the run: the output is invalid
   130 interrupted (Ctrl-C)
+  143 terminated (SIGTERM)
 """
+EXIT_TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is so that files being written are cleaned up
+    (an atomic write leaves the old file) and the run ends with 143."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +81,19 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (k3.cli.main called from a thread): keep the default
+        prev = None
+    try:
+        return _run(args)
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+
+
+def _run(args) -> int:
+    """args.fn(args), with every error turned into its exit code."""
+    try:
         return args.fn(args)
     except K3Error as e:
         err(f"k3: {e}")
@@ -79,6 +104,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         err("k3: interrupted.")
         return 130
+    except Terminated:
+        err("k3: terminated (SIGTERM); nothing was written for the unfinished step.")
+        return EXIT_TERMINATED
     except BrokenPipeError:
         return EXIT_OK
     except Exception as e:  # a bug in k3, not a user mistake: one line, the traceback on request

@@ -26,13 +26,33 @@ import torch
 
 from . import env
 from .config import ModelConfig, load_config
-from .errors import UsageError
+from .errors import K3Error, NumericError, UsageError
 from .memory import planner, sysmem
 from .memory.planner import Budgets, Plan
 from .model.stack import InferenceState, Model, Observer
 from .units import human
 
 DEFAULT_MAX_CONTEXT = 4096
+#: tokens per prefill piece: a long prompt is read in pieces carrying the state, so the
+#: activations never grow with its length (a multiple of KDA's 16-token chunk)
+PREFILL_CHUNK = 256
+
+
+def max_piece() -> int:
+    """The most tokens one forward pass reads (the plan sizes the activations for it)."""
+    from .model.kda import CHUNK_MIN_T
+    return PREFILL_CHUNK + CHUNK_MIN_T - 1
+
+
+def prefill_pieces(n: int) -> list[tuple[int, int]]:
+    """[a, b) pieces of a prefill of n tokens: PREFILL_CHUNK each, and a tail shorter than
+    the chunked-KDA threshold joins the piece before it, so that every piece takes the
+    KDA form, and the chunk boundaries, that one pass over all n tokens would."""
+    from .model.kda import CHUNK_MIN_T
+    cuts = list(range(0, n, PREFILL_CHUNK)) + [n]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < CHUNK_MIN_T:
+        del cuts[-2]
+    return list(zip(cuts, cuts[1:]))
 
 
 def check_ids(cfg: ModelConfig, ids) -> list[int]:
@@ -161,7 +181,8 @@ class Engine:
         return self.model.n_layers
 
     def new_state(self) -> InferenceState:
-        return self.model.new_state()
+        """A fresh state whose KV caches have room for max_context positions."""
+        return self.model.new_state(self.max_context)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer_error is not None:
@@ -190,9 +211,10 @@ class Engine:
         it (it is fed at the next call). Full recompute: the whole sequence (``state``'s
         ids + ``feed``) is re-read every step. ``sampler``: logits -> token id (None =
         greedy). Stops after ``max_tokens`` or at a token of ``stop_ids`` (which is
-        yielded). With ``undo_on_interrupt``, a forward pass cut short by
-        KeyboardInterrupt is undone (the state goes back to before it) before the
-        interrupt propagates."""
+        yielded). A forward pass that fails (a read error, numbers that stop being finite:
+        NumericError, naming the step and where) is undone before the error propagates,
+        so ``state`` stays usable; with ``undo_on_interrupt``, so is one cut short by
+        KeyboardInterrupt."""
         feed = list(feed)
         if incremental and state is None:
             state = self.new_state()
@@ -201,15 +223,23 @@ class Engine:
         counters = self.provider.counters()
         for step in range(max_tokens):
             t0 = time.perf_counter()
-            snap = state.snapshot() if undo_on_interrupt and incremental else None
+            snap0 = state.snapshot() if incremental else None
+            snap = snap0 if undo_on_interrupt else None
             try:
                 if incremental:
-                    logits = self.model.forward(pending, state, observer=observer)
-                else:
-                    logits = self.model.forward(seq, None, observer=observer)
+                    logits = self._forward(pending, state, observer)
+                else:  # the whole sequence from nothing (its KV cache lives for this step only)
+                    logits = self._forward(seq, self.model.new_state(len(seq)), observer)
             except KeyboardInterrupt:
                 if snap is not None:
                     state.restore(snap)
+                raise
+            except K3Error as e:  # a failed read or non-finite numbers: the pass is undone, nothing yielded
+                if incremental:
+                    state.restore(snap0)
+                if isinstance(e, NumericError):
+                    raise NumericError(f"step {step} ({len(pending) if incremental else len(seq)} tokens read): "
+                                       f"{e}") from None
                 raise
             logits = logits.reshape(-1)
             tok = greedy(logits) if sampler is None else int(sampler(logits))
@@ -229,6 +259,14 @@ class Engine:
             pending = [tok]
             if finish == "stop":
                 return
+
+    def _forward(self, ids: list[int], state: InferenceState, observer) -> torch.Tensor:
+        """The last token's logits after reading ids into state, in prefill pieces."""
+        pieces = prefill_pieces(len(ids))
+        for a, b in pieces[:-1]:
+            self.model.hidden(ids[a:b], state, observer)
+        a, b = pieces[-1]
+        return self.model.forward(ids[a:b], state, observer=observer)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 16, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
@@ -358,7 +396,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context), incremental=kv_cache,
                         available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
-                        n_layers=layout.n_layers, pin_order=env.pin_order())
+                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece())
     for n in plan.notes:
         say(n)
     say(plan.render())
@@ -372,7 +410,6 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                                 trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=progress)
     tokenizer = tok_error = None
     if (Path(model_dir) / "tiktoken.model").is_file():
-        from .errors import K3Error
         from .tokenizer import Tokenizer
         try:
             tokenizer = Tokenizer(model_dir)

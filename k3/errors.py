@@ -38,3 +38,10 @@ class CheckpointError(K3Error):
 
 class ReadError(K3Error):
     exit_code = EXIT_READ
+
+
+class NumericError(K3Error):
+    """The forward pass produced NaN or inf: the output would be garbage, so none is
+    given. The message names where the numbers first stopped being finite."""
+
+    exit_code = EXIT_RUNTIME

@@ -68,6 +68,7 @@ from .checkpoint.writer import write_safetensors
 from .config import ModelConfig, parse_config
 from .errors import UsageError
 from .fsutil import atomic_write
+from .units import human
 from .model.schema import expert_specs, global_specs, layer_specs
 
 __all__ = [
@@ -911,8 +912,8 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     free = shutil.disk_usage(out).free
     if need > free:
         raise UsageError(
-            f"synth: the {preset}/{arch} checkpoint needs {need / 1e9:.2f} GB but {out} has only "
-            f"{free / 1e9:.2f} GB free. Free space, choose another directory, or use fewer --layers/--experts.")
+            f"synth: the {preset}/{arch} checkpoint needs {human(need)} but {out} has only "
+            f"{human(free)} free. Free space, choose another directory, or use fewer --layers/--experts.")
     say = progress or (lambda msg: None)
     say(f"synth {preset}/{arch} seed {seed}: {plan.cfg.num_hidden_layers} layers, "
         f"{plan.cfg.num_experts} experts (top-{plan.cfg.num_experts_per_token}), "

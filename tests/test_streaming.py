@@ -307,7 +307,6 @@ def test_kv_refusal_names_both_numbers(ckpt):
     msg = str(e.value)
     assert "KV cache for 5000 positions" in msg and human(5000 * per) in msg
     assert human(avail) in msg and e.value.exit_code == 2
-    assert "--full-recompute" in msg
     # 900 positions are 90% of it: still planned (the whole plan may not fit; check() says so)
     plan = planner.plan(lay.cfg, sizes, budgets, tokens=900, incremental=True, available=avail, baseline=1)
     assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 900 * per
@@ -315,6 +314,9 @@ def test_kv_refusal_names_both_numbers(ckpt):
         planner.plan(lay.cfg, sizes, budgets, tokens=901, incremental=True, available=avail, baseline=1)
     plan = planner.plan(lay.cfg, sizes, budgets, tokens=100, incremental=True, available=avail, baseline=1)
     assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 100 * per
-    # full recompute keeps no KV cache: nothing to refuse
-    plan = planner.plan(lay.cfg, sizes, budgets, tokens=5000, incremental=False, available=avail, baseline=1)
-    assert "KV cache" not in dict((n, b) for n, b, _ in plan.rows)
+    # full recompute rebuilds the KV cache of the whole sequence during every step (it reads
+    # the sequence in prefill pieces): it is planned, and refused, the same way
+    with pytest.raises(UsageError, match="KV cache for 5000 positions"):
+        planner.plan(lay.cfg, sizes, budgets, tokens=5000, incremental=False, available=avail, baseline=1)
+    plan = planner.plan(lay.cfg, sizes, budgets, tokens=100, incremental=False, available=avail, baseline=1)
+    assert dict((n, b) for n, b, _ in plan.rows)["KV cache"] == 100 * per

@@ -153,8 +153,9 @@ def test_refuses_changed_bytes_under_identical_header(small, tmp_path):
         f.seek(g.src_off)
         f.write(bytes(x ^ 0xFF for x in b))
     ix2 = CheckpointIndex.open(m2)
-    _refused(lambda: PackedTrunk.open(t1, cfg, ix2), "layer 3", "differ", "k3 pack-trunk")
-    PackedTrunk.open(t1, cfg, ix2, verify_samples=False)
+    _refused(lambda: PackedTrunk.open(t1, cfg, ix2), "not the file it was packed from", "--verify")
+    _refused(lambda: PackedTrunk.open(t1, cfg, ix2, check_identity=False), "layer 3", "differ", "k3 pack-trunk")
+    PackedTrunk.open(t1, cfg, ix2, verify_samples=False, check_identity=False)
 
 
 def test_refuses_foreign_model(small, tmp_path):
@@ -205,7 +206,7 @@ def test_killed_pack_resumes_or_restarts(small, small_ref, tmp_path, monkeypatch
     # resume: starts at layer 5, the result is a good trunk
     monkeypatch.setattr(TP, "_copy_layer", real)
     calls.clear()
-    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a))[1])
     lines = []
     pack_trunk(m, out, progress=lines.append)
     assert calls == list(range(5, cfg.num_hidden_layers))
@@ -238,7 +239,7 @@ def test_killed_after_rename_before_json_finishes_without_copying(small, tmp_pat
     _refused(lambda: PackedTrunk.open(out, cfg, ix), "interrupted")
     calls = []
     real = TP._copy_layer
-    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a))[1])
     pack_trunk(m, out, progress=False)
     assert calls == []
     PackedTrunk.open(out, cfg, ix)
@@ -252,7 +253,7 @@ def test_partial_with_foreign_progress_restarts(small, tmp_path, monkeypatch):
     (out / "trunk.progress.json").write_text(json.dumps({"plan_sha256": "0" * 64, "layers_done": 3, "samples": []}))
     calls = []
     real = TP._copy_layer
-    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a)))
+    monkeypatch.setattr(TP, "_copy_layer", lambda reader, src, L, *a: (calls.append(L.layer), real(reader, src, L, *a))[1])
     pack_trunk(m, out, progress=False)
     assert calls == list(range(cfg.num_hidden_layers))
     assert (out / "trunk.bin").read_bytes() == (t / "trunk.bin").read_bytes()

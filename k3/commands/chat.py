@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import EXIT_OK, K3Error, UsageError
 from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir,
-                     check_output_path, sampling_from_args)
+                     check_output_path, check_text, sampling_from_args)
 
 HELP = "talk to the model (interactive, streaming, state kept between turns)"
 DESCRIPTION = "Interactive chat. Each turn reads only the new tokens on top of the carried KDA/KV state."
@@ -113,8 +113,15 @@ def repl(session, console: Console, history_path: Path | None, state_path: str |
     while True:
         try:
             text = _read_message()
+            if text is not None:
+                check_text(text, "that message")
         except KeyboardInterrupt:
             err.write("\n(Ctrl-C: type /exit or press Ctrl-D to leave)\n")
+            err.flush()
+            continue
+        except (UnicodeDecodeError, UsageError) as e:  # bytes that are not UTF-8: say so, keep the session
+            what = e if isinstance(e, UsageError) else "that message is not valid UTF-8 text; nothing was sent"
+            err.write(f"k3: {what}\n")
             err.flush()
             continue
         if text is None:
@@ -220,6 +227,7 @@ def run(args) -> int:
     from ..config import load_config
     from ..engine import load, set_threads
     from ..memory.planner import kv_bytes_per_position
+    from ..units import human
     from ..tokenizer import Tokenizer
 
     err = sys.stderr
@@ -289,7 +297,7 @@ def run(args) -> int:
                   f"{sampling.describe() if sampling else 'greedy decoding'}\n")
         kvp = kv_bytes_per_position(cfg, args.layers)
         err.write(f"context: up to {args.max_context} tokens (KV cache {kvp / 1e6:.2f} MB/position, "
-                  f"{kvp * args.max_context / 1e9:.2f} GB when full); up to {args.max_tokens} tokens per answer\n")
+                  f"{human(kvp * args.max_context)} when full); up to {args.max_tokens} tokens per answer\n")
         err.write(f"history: {history_path if history_path else 'off'}\n")
         err.write("type a message; /help for commands, /exit or Ctrl-D to leave\n")
         err.flush()

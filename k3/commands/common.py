@@ -112,3 +112,15 @@ def check_output_path(path, flag: str) -> None:
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist. Create it or choose another path; "
                          "nothing was run.")
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode; UsageError otherwise. Bytes that are not UTF-8
+    (in argv, or typed at a terminal in another encoding) arrive as lone surrogates,
+    which can be neither tokenized faithfully nor written to a history file."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} is not valid UTF-8 text (byte {text[e.start:e.end].encode('utf-8', 'surrogateescape')!r} "
+                         f"at character {e.start}); nothing was run. Re-type it in UTF-8, or give --prompt-file.") from None
+    return text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import EXIT_OK, UsageError
 from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir,
-                     check_output_path, err, sampling_from_args)
+                     check_output_path, check_text, err, sampling_from_args)
 
 HELP = "generate tokens from a prompt"
 MAX_GEN = 4096
@@ -74,7 +74,7 @@ def _read_prompt(args) -> tuple[list[int], object]:
         except UnicodeDecodeError:
             raise UsageError(f"{args.prompt_file}: the prompt file is not UTF-8 text.") from None
     else:
-        text = args.prompt
+        text = check_text(args.prompt, "--prompt")
     return tok.encode(text), tok
 
 
@@ -281,7 +281,7 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
     err("")
     err(f"prompt: {len(ids)} tokens, {prefill_s:.2f} s (prefill + first token) | decode: {len(decode)} tokens, "
         f"{len(decode) / decode_s if decode_s > 0 else 0:.2f} tok/s, {decode_s / len(decode) if decode else 0:.3f} "
-        f"s/token | peak RSS {human(peak)} | read {read / 1e9:.2f} GB | I/O share {100 * share:.0f}%")
+        f"s/token | peak RSS {human(peak)} | read {human(read)} | I/O share {100 * share:.0f}%")
     if verbose:
         err(f"{len(steps)} tokens in {total:.2f} s, {spt:.3f} s/token average")
         err(f"PEAK RSS for the whole run: {human(peak)}   <- quote this, not the plan ({human(plan.total)})")
@@ -292,13 +292,13 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
             if hidden > 0:
                 err(f"  {hidden:.2f} s of trunk device time was hidden behind arithmetic by the reader threads")
         req, ev = cs.get("requests", 0), cs.get("evictions", 0)
-        err(f"experts, whole run: {cs.get('bytes_read', 0) / 1e9:.2f} GB read | {req - ev} of {req} requests "
+        err(f"experts, whole run: {human(cs.get('bytes_read', 0))} read | {req - ev} of {req} requests "
             f"retained in RAM ({100.0 * (req - ev) / req if req else 0:.1f}%) | {ev} evictions  "
             "(retention = requests - evictions)")
         if ts:
             err(f"trunk: pinned {ts.get('pinned', 0)}/{ts.get('n_layers', 0)} layers, ring {ts.get('ring_slots', 0)} "
                 f"slots; binds {ts.get('binds', 0)}, hits {ts.get('hits', 0)}, reads {ts.get('reads', 0)}; "
-                f"read {ts.get('bytes_read', 0) / 1e9:.2f} GB in {io_trunk:.2f} s "
+                f"read {human(ts.get('bytes_read', 0))} in {io_trunk:.2f} s "
                 f"({ts.get('bytes_read', 0) / 1e9 / io_trunk if io_trunk > 0 else 0:.2f} GB/s device)")
     rows = [{"step": s.step, "token": s.token, "seconds": s.seconds, "fed": s.fed,
              "expert_requests": s.expert_requests, "expert_hits": s.expert_hits,

@@ -140,20 +140,26 @@ def kv_bytes_per_position(cfg, n_layers: int | None = None) -> int:
     return mla * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4
 
 
+#: attention's score tiles (k3.model.mla.SCORE_TILE_BYTES) and their temporaries
+ATTENTION_TILE_BYTES = 4 * (16 << 20)
+
+
 def activation_bytes(cfg, tokens: int) -> int:
-    """Upper bound of the fp32 working set of one forward over `tokens` tokens: the
-    AttnRes bank and partial sums, the widest projections of a layer (several live at
-    once), the chunked-KDA pairwise-decay scratch, the MoE contributions, logits."""
+    """Upper bound of the working set of one forward over `tokens` tokens: the AttnRes
+    bank and partial sums, the widest projections of a layer (several live at once),
+    fp64 norm statistics, the router's scores and sort, the MoE contributions, the
+    chunked-KDA pairwise-decay scratch, attention's tiles (bounded whatever the length),
+    the logits."""
     d = cfg.hidden_size
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
     kda = cfg.kda_num_heads * cfg.kda_head_dim
     mla = cfg.mla_num_heads * (cfg.qk_head_dim + cfg.qk_head_dim + cfg.v_head_dim)
     widest = max(6 * kda, 2 * mla, 3 * cfg.intermediate_size, 3 * cfg.shared_width,
                  cfg.num_experts_per_token * (cfg.expert_in + 3 * cfg.moe_intermediate_size))
-    per_token = 4 * ((banks + 12) * d + widest + cfg.num_experts + cfg.vocab_size)
+    per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4
-    return tokens * per_token + kda_scratch
+    return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES
 
 
 @dataclass(frozen=True)
@@ -470,21 +476,24 @@ class Plan:
                 + self.render())
 
 
-def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int) -> list:
+def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
+                prefill_tokens: int) -> list:
     rows = [("recurrent state", recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32")]
-    if incremental:
-        per = kv_bytes_per_position(cfg, n_layers)
-        kv = tokens * per
-        if kv > 0.9 * available:
-            n_mla = sum(1 for i in range(n_layers) if cfg.is_mla(i))
-            raise UsageError(
-                f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(available)} "
-                f"is available. This is a memory limit, not a bug: incremental decoding keeps, for each of the "
-                f"{n_mla} MLA layers, the expanded fp32 keys and values of every position ({human(per)} per "
-                "position). Use a shorter prompt, fewer tokens or a smaller context, or full recompute "
-                "(--full-recompute needs no KV cache).")
-        rows.append(("KV cache", kv, f"{tokens} positions x {human(per)}"))
-    rows.append(("buffers", activation_bytes(cfg, tokens), "activations, scratch, logits"))
+    per = kv_bytes_per_position(cfg, n_layers)
+    kv = tokens * per
+    if kv > 0.9 * available:
+        n_mla = sum(1 for i in range(n_layers) if cfg.is_mla(i))
+        raise UsageError(
+            f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(available)} "
+            f"is available. This is a memory limit, not a bug: for each of the {n_mla} MLA layers, the "
+            f"expanded fp32 keys and values of every position are held ({human(per)} per position), by "
+            "incremental decoding for the whole sequence and by full recompute during each step. Use a shorter "
+            "prompt, fewer tokens or a smaller context.")
+    rows.append(("KV cache", kv, f"{tokens} positions x {human(per)}"
+                 + ("" if incremental else " (rebuilt by every full-recompute step)")))
+    rows.append(("buffers", activation_bytes(cfg, min(tokens, prefill_tokens)),
+                 f"activations of {min(tokens, prefill_tokens)} tokens (prefill runs in pieces), attention "
+                 "tiles, logits"))
     rows.append(("interpreter + libs", baseline, "measured peak RSS so far + margin"))
     return rows
 
@@ -506,9 +515,10 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
 
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
-         baseline: int, n_layers: int | None = None, pin_order: str = "largest") -> Plan:
-    """The memory plan for ``budgets`` on a model of ``sizes``, with a KV cache for
-    ``tokens`` positions when ``incremental``. Budgets the user did not fix are chosen
+         baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30) -> Plan:
+    """The memory plan for ``budgets`` on a model of ``sizes``: a KV cache for ``tokens``
+    positions (incremental decoding holds it; full recompute rebuilds it every step), and
+    activations for the longest piece one forward pass reads (``prefill_tokens``). Budgets the user did not fix are chosen
     here: among the plans that fit (tables resident or streamed, how much of the rest
     goes to the trunk and how much to the expert cache), the one with the fewest bytes
     read per token (:func:`bytes_per_token`); ties go to the larger trunk budget (more
@@ -517,7 +527,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
-    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available)
+    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens)
     room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
     table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
     floor_cache = (sizes.top_k + 1) * sizes.slot_bytes

@@ -14,28 +14,78 @@ from ..config import MLA_NORM_EPS
 from .ops import linear, rms_norm
 
 
+#: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
+K_TILE = 2048
+#: the score tile's size target: query rows per tile = SCORE_TILE_BYTES / (heads x K_TILE x 4)
+SCORE_TILE_BYTES = 16 << 20
+
+
 def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
     """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
-    k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv]."""
-    T, S = q.shape[0], k.shape[0]
-    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
-    mask = torch.arange(S).unsqueeze(0) > (torch.arange(T) + past).unsqueeze(1)
-    p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-    return torch.einsum("hts,shd->thd", p, v)
+    k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv].
+
+    Tiled over queries and keys with a running (online) softmax, so the working set is a
+    few [H, q_tile, K_TILE] tiles whatever the length (a 14,000-token prompt would need
+    several [H, T, T] score matrices otherwise). Key tiles start at fixed positions, so a
+    query's numbers do not depend on how many queries share the call."""
+    T, H, dk = q.shape
+    out = q.new_empty(T, H, v.shape[-1])
+    q_tile = max(1, SCORE_TILE_BYTES // (H * K_TILE * 4))
+    for t0 in range(0, T, q_tile):
+        t1 = min(T, t0 + q_tile)
+        qb = q[t0:t1]
+        pos = torch.arange(t0, t1) + past  # absolute positions of these queries
+        m = q.new_full((H, t1 - t0, 1), float("-inf"))
+        den = q.new_zeros(H, t1 - t0, 1)
+        acc = q.new_zeros(H, t1 - t0, v.shape[-1])
+        for s0 in range(0, past + t1, K_TILE):  # keys past the last query's position are never seen
+            s1 = min(past + t1, s0 + K_TILE)
+            sc = torch.einsum("thd,shd->hts", qb, k[s0:s1]) * scale
+            sc = sc.masked_fill(torch.arange(s0, s1).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+            m_new = torch.maximum(m, sc.amax(-1, keepdim=True))  # finite: key 0 is in every query's first tile
+            p = torch.exp(sc - m_new)
+            corr = torch.exp(m - m_new)
+            den = den * corr + p.sum(-1, keepdim=True)
+            acc = acc * corr + torch.einsum("hts,shd->htd", p, v[s0:s1])
+            m = m_new
+        out[t0:t1] = (acc / den).transpose(0, 1)
+    return out
 
 
 class MLAState:
-    """KV cache of one MLA layer: k [S, H, nope+rope], v [S, H, v_dim], fp32."""
+    """KV cache of one MLA layer: k [S, H, nope+rope], v [S, H, v_dim], fp32 - views of
+    buffers with room for ``capacity`` positions, so appending a token writes in place
+    (a concatenation would hold two copies of the cache for a moment)."""
 
-    __slots__ = ("k", "v")
+    __slots__ = ("k", "v", "_kb", "_vb", "capacity")
 
-    def __init__(self):
-        self.k = None
-        self.v = None
+    def __init__(self, capacity: int = 0):
+        self.k = self.v = None
+        self._kb = self._vb = None
+        self.capacity = capacity
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[0]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n0 = self.length
+        n1 = n0 + k.shape[0]
+        if self._kb is None or n1 > self._kb.shape[0]:  # first use, or past the capacity: grow
+            cap = max(n1, self.capacity, 2 * (0 if self._kb is None else self._kb.shape[0]))
+            kb, vb = k.new_empty(cap, *k.shape[1:]), v.new_empty(cap, *v.shape[1:])
+            if n0:
+                kb[:n0], vb[:n0] = self.k, self.v
+            self._kb, self._vb = kb, vb
+        self._kb[n0:n1], self._vb[n0:n1] = k, v
+        self.k, self.v = self._kb[:n1], self._vb[:n1]
+
+    def truncate(self, n: int) -> None:
+        """Back to the first n positions (the buffer keeps its room)."""
+        if n == 0:
+            self.k = self.v = None
+        elif n < self.length:
+            self.k, self.v = self.k[:n], self.v[:n]
 
 
 def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
@@ -57,10 +107,8 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     past = 0
     if st is not None:
         past = st.length
-        if past:
-            k = torch.cat([st.k, k], 0)
-            v = torch.cat([st.v, v], 0)
-        st.k, st.v = k, v
+        st.append(k, v)
+        k, v = st.k, st.v
     o = attend(q, k, v, past, (nope + rope) ** -0.5).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(linear(x, w["self_attn.g_proj.weight"]))

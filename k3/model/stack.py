@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import NumericError
 from .kda import KDAState, kda_layer
 from .mla import MLAState, mla_layer
 from .moe import dense_mlp, moe_block
@@ -27,9 +28,10 @@ class InferenceState:
     ids: list = field(default_factory=list)
 
     @classmethod
-    def fresh(cls, cfg, n_layers: int | None = None):
+    def fresh(cls, cfg, n_layers: int | None = None, capacity: int = 0):
+        """A state at position 0; its KV caches reserve room for ``capacity`` positions."""
         n = cfg.num_hidden_layers if n_layers is None else n_layers
-        return cls([MLAState() if cfg.is_mla(i) else KDAState() for i in range(n)], [])
+        return cls([MLAState(capacity) if cfg.is_mla(i) else KDAState() for i in range(n)], [])
 
     @property
     def position(self) -> int:
@@ -49,10 +51,8 @@ class InferenceState:
         for ls, s in zip(self.layers, snap.layers):
             if isinstance(ls, KDAState):
                 ls.conv_q, ls.conv_k, ls.conv_v, ls.S = s
-            elif s == 0:
-                ls.k = ls.v = None
-            elif ls.length != s:
-                ls.k, ls.v = ls.k[:s].clone(), ls.v[:s].clone()
+            else:  # appends after the snapshot went past position s: cut them off
+                ls.truncate(s)
 
 
 @dataclass
@@ -72,6 +72,19 @@ class Observer:
         """The router of `layer` chose `ids` [T, top-k] (long) for this pass."""
 
 
+def _finite(x: torch.Tensor, where: str) -> torch.Tensor:
+    """x, or NumericError naming where the hidden state first stopped being finite. One
+    pass over a [T, d] activation per layer: nothing next to the layer's matmuls."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NumericError(
+            f"the numbers stopped being finite after {where}: {bad} of {x.numel()} values are NaN or inf, so "
+            "the logits would be garbage and no token is produced. A weight of that layer (or the config's "
+            "numbers) is damaged: check the checkpoint (`k3 doctor MODEL`, the shard sizes against the "
+            "published ones) and re-download the shard holding it.")
+    return x
+
+
 class Model:
     """Pure math over a WeightProvider. `forward` processes new tokens, extending
     `state` if given (incremental) or starting from nothing (full recompute)."""
@@ -82,8 +95,8 @@ class Model:
         self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
         self.kda_chunked = kda_chunked
 
-    def new_state(self) -> InferenceState:
-        return InferenceState.fresh(self.cfg, self.n_layers)
+    def new_state(self, capacity: int = 0) -> InferenceState:
+        return InferenceState.fresh(self.cfg, self.n_layers, capacity)
 
     def _mixer(self, i, w, x, st):
         if self.cfg.is_mla(i):
@@ -118,7 +131,7 @@ class Model:
         cfg = self.cfg
         if state is None:
             state = self.new_state()
-        h = self.provider.embed(ids)
+        h = _finite(self.provider.embed(ids), "the embedding rows of the input tokens")
         eps = cfg.rms_norm_eps
         B = cfg.attn_res_block_size
         bank: list[torch.Tensor] = []
@@ -127,9 +140,9 @@ class Model:
             w = self.provider.layer(i)
             try:
                 if B is None:  # Kimi-Linear: plain pre-norm residual
-                    h = self.plain_layer(i, w, h, state.layers[i], observer)
+                    h = _finite(self.plain_layer(i, w, h, state.layers[i], observer), f"layer {i}")
                 else:
-                    P = self.attn_res_layer(i, w, bank, P, state.layers[i], observer)
+                    P = _finite(self.attn_res_layer(i, w, bank, P, state.layers[i], observer), f"layer {i}")
             finally:  # also on a failed read or an interrupt: a streamer must not keep it held
                 self.provider.release_layer(i)
             if observer is not None:
@@ -138,11 +151,13 @@ class Model:
         if B is None:
             return h
         g = self.provider.global_weight
-        return attn_res(bank + [P], g("output_attn_res_norm.weight"), g("output_attn_res_proj.weight"), eps)
+        return _finite(attn_res(bank + [P], g("output_attn_res_norm.weight"), g("output_attn_res_proj.weight"), eps),
+                       "the final Attention Residuals mix (output_attn_res)")
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         g = self.provider.global_weight
-        return linear(rms_norm(h, g("norm.weight"), self.cfg.rms_norm_eps), g("lm_head.weight"))
+        x = _finite(rms_norm(h, g("norm.weight"), self.cfg.rms_norm_eps), "the final norm (norm.weight)")
+        return _finite(linear(x, g("lm_head.weight")), "lm_head")
 
     def forward(self, ids, state: InferenceState | None = None, last_only: bool = True,
                 observer: Observer | None = None) -> torch.Tensor:

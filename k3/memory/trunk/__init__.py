@@ -3,7 +3,7 @@ through pinned layers and a ring arena (:mod:`.stream`). The plan that decides w
 layers are pinned is the memory planner's (:mod:`k3.memory.planner`)."""
 
 from .format import PackedTrunk, TrunkLayer, TrunkTensor
-from .pack import pack_trunk
+from .pack import pack_trunk, verify_trunk
 from .stream import TrunkStreamer
 
-__all__ = ["PackedTrunk", "TrunkLayer", "TrunkStreamer", "TrunkTensor", "pack_trunk"]
+__all__ = ["PackedTrunk", "TrunkLayer", "TrunkStreamer", "TrunkTensor", "pack_trunk", "verify_trunk"]

@@ -6,12 +6,12 @@ to the checkpoint beside it.
 ``trunk.json``::
 
     {"format": "k3-trunk", "version": 2, "align": 4096, "config_fingerprint": ...,
-     "source": {shard name: {"size", "header_sha256"}},   # shards the layers come from
+     "source": {shard name: {"size", "header_sha256", "mtime_ns", "inode"}},  # shards the layers come from
      "n_layers": N, "total_bytes": ...,
      "layers": [{"layer", "run_nbytes", "nbytes" (multiple of 4096), "file_off",
                  "segments": [{"shard", "src_off", "nbytes", "off"}],
                  "tensors": {rel name: {"off", "nbytes", "dtype", "shape"}},
-                 "sample": {"block", "sha256"}}]}
+                 "sha256": of the layer's packed bytes, "sample": {"block", "sha256"}}]}
 
 A layer's packed run is its non-expert tensors laid out by *segments*: maximal runs of
 tensors that lie back to back in one shard, each copied verbatim (a release checkpoint
@@ -20,10 +20,14 @@ a layer spread over several shards, or interleaved with expert tensors (a checkp
 re-saved by common tools), make several segments, each placed at a 64-byte boundary
 after the previous one. ``rel name`` is relative to the layer
 (``self_attn.q_proj.weight``): the keys a WeightProvider's ``layer(i)`` returns.
-``sample`` is the SHA-256 of a few 4 KiB blocks of every segment; ``PackedTrunk.open``
-re-reads them from the shards *and* from trunk.bin, which catches a trunk packed from
-different bytes with an identical header (another seed, a re-download) and a trunk.bin
-whose content is not the one described.
+Staleness: ``PackedTrunk.open`` refuses a trunk whose source shards are not the files
+it was packed from (size, header hash, modification time, inode), so a shard rewritten
+in place, even 4 KiB of one tensor, is caught without reading it. ``sample`` is the
+SHA-256 of a few 4 KiB blocks of every segment, re-read from the shards and from
+trunk.bin at open (a trunk.bin that is not the one described; a shard replaced by
+another with the same identity). ``sha256`` hashes the whole packed layer:
+``k3 pack-trunk MODEL OUT --verify`` re-hashes every byte from the shards and from
+trunk.bin (and, when all match, accepts shards that were only copied or touched).
 """
 
 from __future__ import annotations
@@ -134,7 +138,9 @@ def _sources(index, layers: list[TrunkLayer]) -> dict[str, dict]:
     for name in sorted(set().union(*(L.shards for L in layers))):
         p = by_name[name]
         h = index.shard_header(p)
-        out[name] = {"size": h.file_size, "header_sha256": _header_sha(p, h.data_start)}
+        st = os.stat(p)
+        out[name] = {"size": h.file_size, "header_sha256": _header_sha(p, h.data_start),
+                     "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
     return out
 
 
@@ -192,14 +198,16 @@ class PackedTrunk:
         return sum(L.nbytes for L in self.layers)
 
     @classmethod
-    def open(cls, trunk_dir, cfg, index: CheckpointIndex, verify_samples: bool = True) -> "PackedTrunk":
+    def open(cls, trunk_dir, cfg, index: CheckpointIndex, verify_samples: bool = True,
+             check_identity: bool = True) -> "PackedTrunk":
         """Open and verify ``trunk_dir`` against the checkpoint ``index`` read with ``cfg``.
 
         Refuses (CheckpointError, exit 3) a missing or unreadable trunk.json, a trunk from
         an interrupted pack, a config fingerprint, source shard size/header, layer layout
-        or tensor list that differs from this checkpoint, a truncated or oversized
-        trunk.bin, and (``verify_samples``) sample blocks whose bytes differ between the
-        shard, trunk.bin and what was recorded when packing."""
+        or tensor list that differs from this checkpoint, source shards that are not the
+        files packed (``check_identity``: modification time or inode changed), a truncated
+        or oversized trunk.bin, and (``verify_samples``) sample blocks whose bytes differ
+        between the shard, trunk.bin and what was recorded when packing."""
         d = os.path.abspath(os.fspath(trunk_dir))
         model = index.model_dir
         redo = f"Re-run `k3 pack-trunk {model} {d}` to pack it again from this checkpoint."
@@ -254,12 +262,18 @@ class PackedTrunk:
                             f"{rec.get('size') if isinstance(rec, dict) else '?'} when packed")
             if rec.get("header_sha256") != _header_sha(by_name[name], h.data_start):
                 raise stale(f"the header of shard {name} changed since packing")
+            st = os.stat(by_name[name])
+            if check_identity and (rec.get("mtime_ns"), rec.get("inode")) != (st.st_mtime_ns, st.st_ino):
+                raise stale(
+                    f"shard {name} is not the file it was packed from (its modification time or inode changed: it "
+                    f"was rewritten, copied or touched). If it was only copied or touched, `k3 pack-trunk {model} "
+                    f"{d} --verify` re-hashes every byte and accepts it again when they are the ones packed")
         got = meta.get("layers")
         if not isinstance(got, list) or len(got) != len(expect):
             raise stale("its layer table does not have one entry per layer")
         for L, g in zip(expect, got):
-            if not isinstance(g, dict):
-                raise stale(f"layer {L.layer}'s entry is malformed")
+            if not isinstance(g, dict) or not isinstance(g.get("sha256"), str):
+                raise stale(f"layer {L.layer}'s entry is malformed or has no hash")
             e = L.to_json()
             for k in ("layer", "segments", "run_nbytes", "nbytes", "file_off"):
                 if g.get(k) != e[k]:

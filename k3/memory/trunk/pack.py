@@ -12,6 +12,7 @@ from scratch. Re-packing over a complete, matching trunk is a no-op unless ``for
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -167,9 +168,21 @@ def _fill(reader: ShardFiles, paths: dict, L: TrunkLayer, w0: int, w1: int, buf,
 
 
 def _copy_layer(reader: ShardFiles, paths: dict, L: TrunkLayer, w: _Writer, bufs, rbuf, pool,
-                prog: _Progress) -> None:
+                prog: _Progress) -> str:
     """Copy layer L into trunk.bin at L.file_off (L.nbytes, zero-padded): windows of
-    COPY_CHUNK bytes, the next one read on the pool while this one is written."""
+    COPY_CHUNK bytes, the next one read on the pool while this one is written. Returns
+    the SHA-256 of what was written."""
+    h = hashlib.sha256()
+    for w0, w1, buf in _windows(reader, paths, L, bufs, rbuf, pool):
+        h.update(memoryview(buf)[:w1 - w0])
+        w.write(memoryview(buf)[:w1 - w0], L.file_off + w0)
+        prog.advance(w1 - w0)
+    return h.hexdigest()
+
+
+def _windows(reader: ShardFiles, paths: dict, L: TrunkLayer, bufs, rbuf, pool):
+    """(w0, w1, buffer) for the COPY_CHUNK windows of layer L's packed bytes, rebuilt from
+    the shards; the next window is filled on the pool while the caller uses this one."""
     windows = [(o, min(L.nbytes, o + COPY_CHUNK)) for o in range(0, L.nbytes, COPY_CHUNK)]
 
     def fill(k):
@@ -180,9 +193,53 @@ def _copy_layer(reader: ShardFiles, paths: dict, L: TrunkLayer, w: _Writer, bufs
     for k, (w0, w1) in enumerate(windows):
         buf = fut.result()
         if k + 1 < len(windows):
-            fut = pool.submit(fill, k + 1)  # the other buffer: read ahead while this one is written
-        w.write(memoryview(buf)[:w1 - w0], L.file_off + w0)
-        prog.advance(w1 - w0)
+            fut = pool.submit(fill, k + 1)  # the other buffer: read ahead while this one is used
+        yield w0, w1, buf
+
+
+def verify_trunk(model_dir, out_dir, progress=None, *, config_path=None) -> list[int]:
+    """Re-hash every byte of the packed trunk in ``out_dir``, rebuilt from the shards and
+    read from trunk.bin, against the hashes recorded when packing. Returns the layers
+    that differ (empty: all good). When all match, the shards' current identities
+    (modification time, inode) are recorded, so a checkpoint that was only copied or
+    touched is accepted again."""
+    from ...config import load_config
+
+    cfg = load_config(config_path if config_path is not None else Path(model_dir))
+    index = CheckpointIndex.open(model_dir)
+    d = str(Path(out_dir).resolve())
+    trunk = PackedTrunk.open(d, cfg, index, verify_samples=False, check_identity=False)
+    say = (lambda m: None) if progress is False else (progress if callable(progress) else
+                                                       (lambda m: print(m, file=sys.stderr, flush=True)))
+    paths = {os.path.basename(p): p for p in index.shards()}
+    reader = ShardFiles()
+    bufs = [aligned_empty(COPY_CHUNK) for _ in range(2)]
+    rbuf = aligned_empty(COPY_CHUNK + 2 * ALIGN)
+    bad = []
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="k3-verify-read") as pool:
+            for L, entry in zip(trunk.layers, trunk.meta["layers"]):
+                src = hashlib.sha256()
+                for w0, w1, buf in _windows(reader, paths, L, bufs, rbuf, pool):
+                    src.update(memoryview(buf)[:w1 - w0])
+                packed = hashlib.sha256()
+                for w0 in range(0, L.nbytes, COPY_CHUNK):
+                    n = min(COPY_CHUNK, L.nbytes - w0)
+                    packed.update(reader.read_direct(trunk.path, L.file_off + w0, n, out=rbuf))
+                if not src.hexdigest() == packed.hexdigest() == entry["sha256"]:
+                    bad.append(L.layer)
+                    say(f"  layer {L.layer}: DIFFERS (shards {'match' if src.hexdigest() == entry['sha256'] else 'differ'},"
+                        f" trunk.bin {'matches' if packed.hexdigest() == entry['sha256'] else 'differs'})")
+    finally:
+        reader.close()
+    if not bad:
+        meta = dict(trunk.meta)
+        meta["source"] = _plan_doc(cfg, index, trunk.layers)["source"]
+        atomic_write_json(os.path.join(d, TRUNK_JSON), meta, what="the packed-trunk description")
+    say(f"pack-trunk --verify: {len(trunk.layers) - len(bad)} of {len(trunk.layers)} layers match "
+        f"({gb(trunk.total_bytes)} GB hashed twice in {time.perf_counter() - t0:.1f} s)")
+    return bad
 
 
 def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bool = False,
@@ -267,14 +324,14 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
             rfd = os.open(ppath, os.O_RDONLY)
             try:
                 for L in layers[start:]:
-                    _copy_layer(reader, by_name, L, w, bufs, rbuf, pool, prog)
+                    full = _copy_layer(reader, by_name, L, w, bufs, rbuf, pool, prog)
                     w.sync()
                     h = sample_hash(L, lambda g: (rfd, L.file_off + g.off))
                     if sample_hash(L, lambda g: (reader.fd(by_name[g.shard]), g.src_off)) != h:
                         raise ReadError(f"pack-trunk: layer {L.layer}'s copy in {ppath} differs from its bytes in "
                                         f"{', '.join(sorted(L.shards))} (the source changed while packing, or the "
                                         "disk returned bad data). Re-run `k3 pack-trunk` with --restart.")
-                    samples.append({"block": SAMPLE_BLOCK, "sha256": h})
+                    samples.append({"block": SAMPLE_BLOCK, "sha256": h, "full": full})
                     atomic_write_json(prpath, {"plan_sha256": sha, "layers_done": L.layer + 1, "samples": samples})
                     prog.layer_done(L.layer, L.run_nbytes)
             finally:
@@ -288,8 +345,9 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
         w.close()
         reader.close()
         prog.close()
-    for entry, s in zip(doc["layers"], samples):
-        entry["sample"] = s
+    for entry, smp in zip(doc["layers"], samples):
+        entry["sample"] = {"block": smp["block"], "sha256": smp["sha256"]}
+        entry["sha256"] = smp["full"]
     os.replace(ppath, bpath)
     fsync_dir(d)
     atomic_write_json(jpath, doc, what="the packed-trunk description")
