@@ -90,6 +90,9 @@ class Step:
     table_bytes_read: int = 0
     io_seconds: float = 0.0  # device time of the reads (they overlap compute)
     finish: str | None = None  # on the last step: "stop" (a stop token) or "length"
+    pass_index: int = 0  # the weight pass that produced it (one pass emits several tokens with --spec)
+    drafted: int = 0  # speculative decoding, on a pass's first token: tokens drafted and accepted in that pass
+    accepted: int = 0
     logits: torch.Tensor | None = None  # step 0 always; every step with keep_logits
 
     @property
@@ -164,7 +167,7 @@ class Engine:
     when the folder has one. Use :func:`load` to make one; close it (or use ``with``)."""
 
     def __init__(self, cfg, model: Model, provider, plan: Plan, tokenizer, model_dir, *, max_context: int,
-                 load_seconds: float = 0.0):
+                 load_seconds: float = 0.0, spec: int = 0):
         self.cfg = cfg
         self.model = model
         self.provider = provider
@@ -173,6 +176,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.max_context = max_context
         self.load_seconds = load_seconds
+        self.spec = spec  # the most drafted tokens per pass the plan holds
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
 
     # ------------------------------------------------------------ conveniences
@@ -204,61 +208,114 @@ class Engine:
     # ------------------------------------------------------------ the decode loop
     def decode(self, feed: Sequence[int], *, state: InferenceState | None = None, incremental: bool = True,
                max_tokens: int, sampler=None, stop_ids=(), keep_logits: bool = False,
-               observer: Observer | None = None, undo_on_interrupt: bool = False) -> Iterator[Step]:
+               observer: Observer | None = None, undo_on_interrupt: bool = False, spec: int = 0,
+               spec_corpus=None) -> Iterator[Step]:
         """THE decode loop. ``feed``: the tokens to read before the first new one (the
         prompt; with ``state``, the tokens not yet in it). Incremental: ``state`` (a fresh
         one if None) is extended in place, and after the loop the last token is not yet in
         it (it is fed at the next call). Full recompute: the whole sequence (``state``'s
-        ids + ``feed``) is re-read every step. ``sampler``: logits -> token id (None =
+        ids + ``feed``) is re-read every step. ``sampler``: a k3.sampling.Sampler (None =
         greedy). Stops after ``max_tokens`` or at a token of ``stop_ids`` (which is
         yielded). A forward pass that fails (a read error, numbers that stop being finite:
         NumericError, naming the step and where) is undone before the error propagates,
         so ``state`` stays usable; with ``undo_on_interrupt``, so is one cut short by
-        KeyboardInterrupt."""
+        KeyboardInterrupt.
+
+        ``spec`` > 0: exact speculative decoding (incremental only). Each pass after the
+        prefill reads [last token + up to ``spec`` drafted tokens] (k3.spec: the sequence's
+        own n-grams, then ``spec_corpus``'s) and keeps the longest prefix the model agrees
+        with (greedy: its argmax; sampling: exact speculative sampling), plus the model's
+        own next token; the state is rolled back exactly to what it keeps. The tokens are
+        those of plain greedy decoding; each pass yields one Step per token it emits."""
         feed = list(feed)
+        if spec and not incremental:
+            raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
+                             "incremental decoding (drop --full-recompute).")
         if incremental and state is None:
             state = self.new_state()
         seq = (list(state.ids) if state is not None else []) + feed
         pending = feed
         counters = self.provider.counters()
-        for step in range(max_tokens):
+        drafter = None
+        if spec:
+            from .spec import Drafter
+            drafter = Drafter(seq, spec, spec_corpus)
+        n = 0  # tokens emitted
+        npass = 0
+        while n < max_tokens:
+            drafts = drafter.draft()[:max_tokens - n - 1] if drafter is not None and n else []
+            block = pending + drafts
             t0 = time.perf_counter()
             snap0 = state.snapshot() if incremental else None
             snap = snap0 if undo_on_interrupt else None
+            if drafts:  # verification reads every position; the KDA inputs are kept for the rollback
+                state.record(True)
             try:
-                if incremental:
-                    logits = self._forward(pending, state, observer)
+                if drafts:
+                    logits = self.model.forward(block, state, last_only=False, observer=observer)
+                elif incremental:
+                    logits = self._forward(block, state, observer)
                 else:  # the whole sequence from nothing (its KV cache lives for this step only)
                     logits = self._forward(seq, self.model.new_state(len(seq)), observer)
             except KeyboardInterrupt:
                 if snap is not None:
                     state.restore(snap)
+                if drafts:
+                    state.record(False)
                 raise
             except K3Error as e:  # a failed read or non-finite numbers: the pass is undone, nothing yielded
                 if incremental:
                     state.restore(snap0)
+                    state.record(False)
                 if isinstance(e, NumericError):
-                    raise NumericError(f"step {step} ({len(pending) if incremental else len(seq)} tokens read): "
+                    raise NumericError(f"step {n} ({len(block) if incremental else len(seq)} tokens read): "
                                        f"{e}") from None
                 raise
-            logits = logits.reshape(-1)
-            tok = greedy(logits) if sampler is None else int(sampler(logits))
+            rows = logits.reshape(-1, logits.shape[-1]) if drafts else logits.reshape(1, -1)
+            if not drafts:
+                toks, kept = [greedy(rows[0]) if sampler is None else int(sampler(rows[0]))], 0
+            elif sampler is None:
+                kept = 0
+                while kept < len(drafts) and greedy(rows[kept]) == drafts[kept]:
+                    kept += 1
+                toks = drafts[:kept] + [greedy(rows[kept])]
+            else:
+                toks, kept = sampler.verify(rows, drafts)
+            stop = next((j for j, t in enumerate(toks) if t in stop_ids), None)
+            if stop is not None:
+                toks = toks[:stop + 1]  # the stop token is emitted, never fed
+            if drafts:
+                if len(toks) - 1 < len(drafts):  # drop what was read past the tokens kept
+                    state.rollback(snap0, len(toks))
+                state.record(False)
             dt = time.perf_counter() - t0
             now = self.provider.counters()
             d = {k: now[k] - counters[k] for k in now}
             counters = now
-            finish = "stop" if tok in stop_ids else "length" if step == max_tokens - 1 else None
-            yield Step(step, tok, dt, fed=len(pending) if incremental else len(seq),
-                       bytes_read=d["expert_bytes_read"] + d["trunk_bytes_read"] + d["table_bytes_read"],
-                       expert_requests=d["expert_requests"], expert_hits=d["expert_hits"],
-                       expert_bytes_read=d["expert_bytes_read"], trunk_bytes_read=d["trunk_bytes_read"],
-                       table_bytes_read=d["table_bytes_read"],
-                       io_seconds=d["expert_read_seconds"] + d["trunk_device_seconds"], finish=finish,
-                       logits=logits.clone() if keep_logits or step == 0 else None)
-            seq.append(tok)
-            pending = [tok]
-            if finish == "stop":
-                return
+            fed = len(block) if incremental else len(seq)
+            for j, tok in enumerate(toks):
+                first = j == 0
+                finish = "stop" if tok in stop_ids else "length" if n == max_tokens - 1 else None
+                yield Step(n, tok, dt if first else 0.0, fed=fed if first else 0,
+                           bytes_read=(d["expert_bytes_read"] + d["trunk_bytes_read"] + d["table_bytes_read"])
+                           if first else 0,
+                           expert_requests=d["expert_requests"] if first else 0,
+                           expert_hits=d["expert_hits"] if first else 0,
+                           expert_bytes_read=d["expert_bytes_read"] if first else 0,
+                           trunk_bytes_read=d["trunk_bytes_read"] if first else 0,
+                           table_bytes_read=d["table_bytes_read"] if first else 0,
+                           io_seconds=d["expert_read_seconds"] + d["trunk_device_seconds"] if first else 0.0,
+                           finish=finish, pass_index=npass, drafted=len(drafts) if first else 0,
+                           accepted=kept if first else 0,
+                           logits=rows[j].clone() if keep_logits or n == 0 else None)
+                n += 1
+                if finish is not None:
+                    return
+            seq += toks
+            pending = toks[-1:]
+            if drafter is not None:
+                drafter.extend(toks)
+            npass += 1
 
     def _forward(self, ids: list[int], state: InferenceState, observer) -> torch.Tensor:
         """The last token's logits after reading ids into state, in prefill pieces."""
@@ -272,28 +329,40 @@ class Engine:
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  greedy: bool = False, sampling="default", incremental: bool = True,
                  state: InferenceState | None = None, stop_ids: Sequence[int] = (), stream: bool = True,
-                 keep_logits: bool = False, observer: Observer | None = None):
+                 keep_logits: bool = False, observer: Observer | None = None, spec: int = 0,
+                 spec_corpus=None):
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text, or token ids).
 
         Sampling: the arguments over the model's generation_config.json (greedy when it
         does not sample and none is given; ``greedy=True`` forces it), or settings
         already resolved (``sampling``: a SamplingSettings, or None for greedy).
-        ``state`` continues an earlier sequence (incremental). With ``stream`` (default)
-        this is an iterator of :class:`Step` (``step.text`` is the decoded piece);
-        otherwise the whole :class:`Generation`."""
+        ``state`` continues an earlier sequence (incremental). ``spec`` drafts up to that
+        many tokens per pass (exact speculative decoding, see :meth:`decode`;
+        ``spec_corpus``: token ids, or a k3.spec.NgramIndex, to draft from too). With
+        ``stream`` (default) this is an iterator of :class:`Step` (``step.text`` is the
+        decoded piece); otherwise the whole :class:`Generation`."""
         ids = self.prompt_ids(prompt)
         settings = sampling if sampling != "default" else self.sampling(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy=greedy)
         sampler = settings.sampler() if settings is not None else None
         self.check_length(len(state.ids) if state is not None else 0, len(ids), max_tokens)
+        if spec_corpus is not None and not hasattr(spec_corpus, "continuations"):
+            from .spec import NgramIndex
+            spec_corpus = NgramIndex(spec_corpus)
+        self.check_spec(spec)
         steps = self._with_text(self.decode(ids, state=state, incremental=incremental, max_tokens=max_tokens,
                                             sampler=sampler, stop_ids=stop_ids, keep_logits=keep_logits,
-                                            observer=observer))
+                                            observer=observer, spec=spec, spec_corpus=spec_corpus))
         if stream:
             return steps
         done = list(steps)
         toks = [s.token for s in done]
         return Generation(ids, toks, self.tokenizer.decode(toks) if self.tokenizer is not None else None, done)
+
+    def check_spec(self, spec: int) -> None:
+        if spec > self.spec:
+            raise UsageError(f"spec={spec} drafts more tokens per pass than the engine's memory plan holds "
+                             f"(it was loaded with spec={self.spec}); load it with spec={spec} or more.")
 
     def check_length(self, prior: int, new: int, max_tokens: int) -> None:
         if max_tokens < 0:
@@ -350,7 +419,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
          cache_gb: float | None = None, trunk_ring: int = 2, ultra_low_memory: bool = False, io_threads: int = 4,
          budgets: Budgets | None = None, layers: int | None = None, threads: int | None = None, config=None,
          max_context: int = DEFAULT_MAX_CONTEXT, kv_cache: bool = True, trace: bool = False,
-         kda_chunked: bool | None = None, log=None, progress=None) -> Engine:
+         kda_chunked: bool | None = None, spec: int = 0, log=None, progress=None) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
     Budgets: ``preset`` (a preset name or ``auto``), ``trunk`` (a packed-trunk folder
@@ -360,7 +429,9 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     ``max_context``: the most positions one sequence holds (the plan counts its KV
     cache, unless ``kv_cache`` is False: full recompute only). ``layers`` runs only the
     first layers (not the full model). ``threads`` sets the compute threads (default:
-    all cores). ``log`` receives progress messages (the plan, the choices made).
+    all cores). ``spec``: the most tokens speculative decoding will draft per pass (the
+    plan holds what rolling a pass back needs). ``log`` receives progress messages (the
+    plan, the choices made).
 
     The checkpoint is checked against its config, and the plan is printed to ``log`` and
     checked, before anything large is allocated: a plan that does not fit raises
@@ -384,6 +455,9 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {layers}.")
     if int(max_context) < 1:
         raise UsageError(f"max_context must be >= 1, got {max_context}.")
+    from .spec import MAX_DRAFT
+    if not 0 <= spec <= MAX_DRAFT:
+        raise UsageError(f"--spec takes 1..{MAX_DRAFT} drafted tokens per pass, got {spec}.")
     t0 = time.perf_counter()
     layout = CheckpointLayout.open(cfg, model_dir, layers)
     say(f"indexed {len(layout.index)} tensors from {len(layout.index.shards())} shards in "
@@ -396,7 +470,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context), incremental=kv_cache,
                         available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
-                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece())
+                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece(), spec=spec)
     for n in plan.notes:
         say(n)
     say(plan.render())
@@ -417,7 +491,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
             tok_error = e
     model = Model(provider, n_layers=layers, kda_chunked=kda_chunked)
     eng = Engine(cfg, model, provider, plan, tokenizer, model_dir, max_context=int(max_context),
-                 load_seconds=time.perf_counter() - t0)
+                 load_seconds=time.perf_counter() - t0, spec=spec)
     eng.tokenizer_error = tok_error
     if provider.trunk is not None:
         say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")

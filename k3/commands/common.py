@@ -124,3 +124,36 @@ def check_text(text: str, what: str) -> str:
         raise UsageError(f"{what} is not valid UTF-8 text (byte {text[e.start:e.end].encode('utf-8', 'surrogateescape')!r} "
                          f"at character {e.start}); nothing was run. Re-type it in UTF-8, or give --prompt-file.") from None
     return text
+
+
+# ---------------------------------------------------------------- speculative decoding
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (exact: the same tokens as without it)")
+    g.add_argument("--spec", type=int, default=0, metavar="N",
+                   help="draft up to N (1..8) tokens per pass from the text's own n-grams and verify them in one "
+                        "pass over the weights")
+    g.add_argument("--spec-corpus", metavar="FILE",
+                   help="also draft from this document (UTF-8 text, or token ids in a file named *.ids): useful "
+                        "when the answer repeats it")
+
+
+def spec_corpus_from_args(args, tokenizer):
+    if args.spec_corpus is None:
+        return None
+    if not args.spec:
+        raise UsageError("--spec-corpus is a source of drafts for --spec N: add --spec.")
+    from ..spec import read_corpus
+    return read_corpus(args.spec_corpus, tokenizer)
+
+
+def spec_summary(steps, n: int) -> dict:
+    """The run's speculative-decoding figures, for the summary line and --out JSON."""
+    passes = len({s.pass_index for s in steps}) or 1
+    drafted = sum(s.drafted for s in steps)
+    accepted = sum(s.accepted for s in steps)
+    with_drafts = sum(1 for s in steps if s.drafted)
+    return {"n": n, "passes": passes, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "mean_accepted_run": accepted / with_drafts if with_drafts else 0.0,
+            "tokens_per_pass": len(steps) / passes,
+            "bytes_per_token": sum(s.bytes_read for s in steps) / len(steps) if steps else 0.0}

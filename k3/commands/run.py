@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, UsageError
-from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir,
-                     check_output_path, check_text, err, sampling_from_args)
+from .common import (add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
+                     check_model_dir, check_output_path, check_text, err, sampling_from_args, spec_corpus_from_args,
+                     spec_summary)
 
 HELP = "generate tokens from a prompt"
 MAX_GEN = 4096
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--full-recompute", dest="incremental", action="store_false",
                       help="re-read the whole prefix every step (no KV cache; the C engine's validation mode)")
     add_model_args(p)
+    add_spec_args(p)
     p.add_argument("--out", help="write a JSON result (ids, timings, statistics) to this file")
     p.add_argument("--dump-logits", help="write the first step's float32 logits (raw little-endian) here")
     p.add_argument("--dump-cache-trace", metavar="DIR", help="write expert_trace.bin + expert_hist.json here")
@@ -174,9 +176,12 @@ def run(args) -> int:
         elif msg.startswith(("auto:", "note:", "ring held")):
             notes.append(msg)
 
+    if args.spec and not args.incremental:
+        raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
+                         "incremental decoding (drop --full-recompute).")
     eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
-               max_context=len(prior_tokens) + len(ids) + args.gen + 1, kv_cache=args.incremental,
-               trace=bool(args.dump_cache_trace), log=log,
+               max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1, kv_cache=args.incremental,
+               trace=bool(args.dump_cache_trace), spec=args.spec, log=log,
                progress=lambda i: line.update("loading", i + 1, n_layers))
     line.clear()
     if not verbose:
@@ -211,11 +216,12 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
     state = loaded.state if loaded is not None else (eng.new_state() if args.incremental else None)
     feed = (loaded.pending + ids) if loaded is not None else ids
     observer = _prefill_observer(line, eng.n_layers)
+    corpus = spec_corpus_from_args(args, tok)
     steps = []
     line.start()
     try:
         for s in eng.generate(feed, max_tokens=args.gen, sampling=sampling, incremental=args.incremental,
-                              state=state, observer=observer):
+                              state=state, observer=observer, spec=args.spec, spec_corpus=corpus):
             observer.active = False  # the bar is for the prefill only
             line.clear()
             steps.append(s)
@@ -224,7 +230,8 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
                              what="the logits")
             if verbose:
                 err(f"{s.step:>5} {s.token:>8} {s.seconds:>9.3f} {100 * s.expert_hit_rate:>7.1f} "
-                    f"{s.bytes_read / 1e9:>9.3f} {1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}")
+                    f"{s.bytes_read / 1e9:>9.3f} {1.0 / s.seconds if s.seconds > 0 else 0:>8.2f}"
+                    + (f"   pass {s.pass_index}: {s.accepted}/{s.drafted} drafts kept" if s.drafted else ""))
             if stream_text:
                 sys.stdout.write(s.text)
                 sys.stdout.flush()
@@ -279,6 +286,11 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
     peak = peak_rss_bytes()
     share = (io_trunk + io_exp) / total if total > 0 else 0.0
     err("")
+    spec = spec_summary(steps, args.spec) if args.spec else None
+    if spec is not None:
+        err(f"spec: {spec['passes']} weight passes for {len(steps)} tokens ({spec['tokens_per_pass']:.2f} per pass); "
+            f"drafted {spec['drafted']}, accepted {spec['accepted']} ({100 * spec['acceptance']:.0f}%), mean accepted "
+            f"run {spec['mean_accepted_run']:.2f}; {human(spec['bytes_per_token'])} read per emitted token")
     err(f"prompt: {len(ids)} tokens, {prefill_s:.2f} s (prefill + first token) | decode: {len(decode)} tokens, "
         f"{len(decode) / decode_s if decode_s > 0 else 0:.2f} tok/s, {decode_s / len(decode) if decode else 0:.3f} "
         f"s/token | peak RSS {human(peak)} | read {human(read)} | I/O share {100 * share:.0f}%")
@@ -300,7 +312,8 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
                 f"slots; binds {ts.get('binds', 0)}, hits {ts.get('hits', 0)}, reads {ts.get('reads', 0)}; "
                 f"read {human(ts.get('bytes_read', 0))} in {io_trunk:.2f} s "
                 f"({ts.get('bytes_read', 0) / 1e9 / io_trunk if io_trunk > 0 else 0:.2f} GB/s device)")
-    rows = [{"step": s.step, "token": s.token, "seconds": s.seconds, "fed": s.fed,
+    rows = [{"step": s.step, "token": s.token, "seconds": s.seconds, "fed": s.fed, "pass": s.pass_index,
+             "drafted": s.drafted, "accepted": s.accepted,
              "expert_requests": s.expert_requests, "expert_hits": s.expert_hits,
              "expert_hit_pct": 100.0 * s.expert_hit_rate, "expert_bytes_read": s.expert_bytes_read,
              "trunk_bytes_read": s.trunk_bytes_read, "table_bytes_read": s.table_bytes_read,
@@ -338,4 +351,5 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
         "io_share": share,
         "sampling": ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                       "seed": sampling.seed} if sampling is not None else "greedy"),
+        "spec": spec,
     }

@@ -476,8 +476,19 @@ class Plan:
                 + self.render())
 
 
+def spec_bytes(cfg, n_layers: int, spec: int) -> int:
+    """What a speculative pass of 1 + spec tokens keeps to roll back: per KDA layer its
+    pre-conv q/k/v and the recurrence's k, v, g (6 x [T, heads x head_dim] fp32) and beta,
+    plus the logits of every position."""
+    if not spec:
+        return 0
+    T = spec + 1
+    kda = sum(1 for i in range(n_layers) if not cfg.is_mla(i))
+    return kda * T * (6 * cfg.kda_num_heads * cfg.kda_head_dim + cfg.kda_num_heads) * 4 + T * cfg.vocab_size * 4
+
+
 def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
-                prefill_tokens: int) -> list:
+                prefill_tokens: int, spec: int = 0) -> list:
     rows = [("recurrent state", recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32")]
     per = kv_bytes_per_position(cfg, n_layers)
     kv = tokens * per
@@ -494,6 +505,8 @@ def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: in
     rows.append(("buffers", activation_bytes(cfg, min(tokens, prefill_tokens)),
                  f"activations of {min(tokens, prefill_tokens)} tokens (prefill runs in pieces), attention "
                  "tiles, logits"))
+    if spec:
+        rows.append(("speculation", spec_bytes(cfg, n_layers, spec), f"rollback records of 1 + {spec} tokens"))
     rows.append(("interpreter + libs", baseline, "measured peak RSS so far + margin"))
     return rows
 
@@ -515,7 +528,8 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
 
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
-         baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30) -> Plan:
+         baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
+         spec: int = 0) -> Plan:
     """The memory plan for ``budgets`` on a model of ``sizes``: a KV cache for ``tokens``
     positions (incremental decoding holds it; full recompute rebuilds it every step), and
     activations for the longest piece one forward pass reads (``prefill_tokens``). Budgets the user did not fix are chosen
@@ -527,7 +541,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
-    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens)
+    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec)
     room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
     table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
     floor_cache = (sizes.top_k + 1) * sizes.slot_bytes

@@ -12,10 +12,9 @@ triangular solve, used for prefill).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import KDA_L2_EPS
-from .ops import l2_norm, linear, short_conv, vec
+from .ops import l2_norm, linear, short_conv, sigmoid, softplus, vec
 
 CHUNK = 16
 # Below this many tokens the recurrent form is used even for prefill.
@@ -32,8 +31,8 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     x = (u + vec(dt_bias).reshape(-1)).reshape(T, n_heads, -1)
     A = torch.exp(a).reshape(1, n_heads, 1)
     if lower_bound is not None:
-        return lower_bound * torch.sigmoid(A * x)
-    return -A * F.softplus(x)
+        return lower_bound * sigmoid(A * x)
+    return -A * softplus(x)
 
 
 def kda_recurrent(q, k, v, g, beta, state):
@@ -92,13 +91,33 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 class KDAState:
-    """Carried per-layer state: conv histories for q/k/v and the recurrent matrix."""
+    """Carried per-layer state: conv histories for q/k/v and the recurrent matrix.
+    ``record`` (a dict, when set) receives the last pass's recurrence inputs, so that the
+    state can later be rolled back to any position inside that pass (speculative
+    decoding keeps only the accepted tokens): see :func:`rollback`."""
 
-    __slots__ = ("conv_q", "conv_k", "conv_v", "S")
+    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record")
 
     def __init__(self):
         self.conv_q = self.conv_k = self.conv_v = None
         self.S = None
+        self.record = None
+
+
+def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
+    """Set st to what it was after the first ``keep`` tokens of the recorded pass, which
+    started from conv histories ``conv`` and recurrent state ``S0``: the same operations
+    on the same inputs as the pass (recurrent form), so the same bits."""
+    r = st.record
+    hist = []
+    for c0, x in zip(conv, (r["q_in"], r["k_in"], r["v_in"])):
+        z = torch.cat([c0 if c0 is not None else x.new_zeros(r["conv_len"], x.shape[1]), x[:keep]], 0)
+        hist.append(z[keep:].clone())
+    st.conv_q, st.conv_k, st.conv_v = hist
+    if keep == 0:
+        st.S = S0
+    else:
+        _, st.S = kda_recurrent(r["q"][:keep], r["k"][:keep], r["v"][:keep], r["g"][:keep], r["beta"][:keep], S0)
 
 
 def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None) -> torch.Tensor:
@@ -106,17 +125,22 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     T = x.shape[0]
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     st = st if st is not None else KDAState()
-    q, st.conv_q = short_conv(linear(x, w["self_attn.q_proj.weight"]), w["self_attn.q_conv1d.weight"], st.conv_q)
-    k, st.conv_k = short_conv(linear(x, w["self_attn.k_proj.weight"]), w["self_attn.k_conv1d.weight"], st.conv_k)
-    v, st.conv_v = short_conv(linear(x, w["self_attn.v_proj.weight"]), w["self_attn.v_conv1d.weight"], st.conv_v)
+    q_in, k_in, v_in = (linear(x, w[f"self_attn.{n}_proj.weight"]) for n in "qkv")
+    q, st.conv_q = short_conv(q_in, w["self_attn.q_conv1d.weight"], st.conv_q)
+    k, st.conv_k = short_conv(k_in, w["self_attn.k_conv1d.weight"], st.conv_k)
+    v, st.conv_v = short_conv(v_in, w["self_attn.v_conv1d.weight"], st.conv_v)
     q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS) * (D ** -0.5)
     k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
     v = v.reshape(T, H, -1)
     u = linear(linear(x, w["self_attn.f_a_proj.weight"]), w["self_attn.f_b_proj.weight"])
     g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
-    beta = torch.sigmoid(linear(x, w["self_attn.b_proj.weight"]))  # [T, H]
+    beta = sigmoid(linear(x, w["self_attn.b_proj.weight"]))  # [T, H]
     if chunked is None:
         chunked = T >= CHUNK_MIN_T
+    if st.record is not None:  # a pass that may be rolled back (speculative verification)
+        chunked = False
+        st.record.update(q_in=q_in, k_in=k_in, v_in=v_in, q=q, k=k, v=v, g=g, beta=beta,
+                         conv_len=w["self_attn.q_conv1d.weight"].shape[-1] - 1)
     fn = kda_chunked if chunked else kda_recurrent
     o, st.S = fn(q, k, v, g, beta, st.S)
     if cfg.kda_full_rank_gate:
@@ -126,5 +150,5 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     ms = o.double().square().mean(-1, keepdim=True)
     o = o * torch.rsqrt(ms + cfg.rms_norm_eps).to(torch.float32) * vec(w["self_attn.o_norm.weight"])
-    o = o.reshape(T, -1) * torch.sigmoid(z)
+    o = o.reshape(T, -1) * sigmoid(z)
     return linear(o, w["self_attn.o_proj.weight"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .ops import linear, rms_norm
+from .ops import linear, rms_norm, sigmoid
 
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -111,7 +111,7 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
         k, v = st.k, st.v
     o = attend(q, k, v, past, (nope + rope) ** -0.5).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
-        o = o * torch.sigmoid(linear(x, w["self_attn.g_proj.weight"]))
+        o = o * sigmoid(linear(x, w["self_attn.g_proj.weight"]))
     return linear(o, w["self_attn.o_proj.weight"])
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .ops import glu_act, linear, mlp, rms_norm, vec
+from .ops import glu_act, linear, mlp, rms_norm, sigmoid, vec
 
 
 def route(cfg, x: torch.Tensor, gate_w, bias) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, d] -> (ids [T, k] long, weights [T, k] fp32)."""
     logits = linear(x, gate_w)
-    scores = torch.sigmoid(logits)
+    scores = sigmoid(logits)
     biased = scores + vec(bias).reshape(1, -1) if bias is not None else scores
     # stable descending sort = ties resolved to the lowest expert index
     order = torch.sort(biased, dim=-1, descending=True, stable=True).indices

@@ -3,13 +3,19 @@
 Numeric contract: weights arrive as stored (BF16, F32, MXFP4); every activation,
 accumulation, norm and softmax here is fp32 (norm statistics in fp64, like the C
 engine). Each op is per token, so a token's result does not depend on how many
-tokens share the call: prefill, decode and full recompute see the same numbers.
+tokens share the call: prefill, decode, full recompute, a speculative verification and
+a batch of sequences see the same numbers.
+
+Position independence: torch computes some elementwise functions (sigmoid, silu,
+softplus, log1p) with a vectorised formula in the body of a tensor and a scalar one in
+its tail and at the seams between threads, so an element's bits depend on where it sits
+and on the thread count. exp, tanh and log do not, nor does IEEE arithmetic: the
+functions below are built from those alone.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .weights import Mxfp4Weight
 
@@ -29,6 +35,24 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return (x.double() @ w.double().T).to(torch.float32)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), position-independent (see the module docstring)."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) (x above 20: x, as torch's softplus), with log1p(y) computed as
+    log(u) * y / (u - 1), u = 1 + y (exact to a few ulp where 1 + y rounds)."""
+    y = torch.exp(torch.clamp(x, max=20.0))
+    u = 1.0 + y
+    lp = torch.where(u == 1.0, y, torch.log(u) * y / (u - 1.0))
+    return torch.where(x > 20.0, x, lp)
+
+
 def vec(w: torch.Tensor) -> torch.Tensor:
     """A small parameter vector as fp32 (norm gains, biases, conv taps)."""
     return w.to(torch.float32)
@@ -45,14 +69,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta).
     The sigmoid takes the uncapped gate; |out| <= beta*linear_beta."""
-    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    a = beta * torch.tanh(g / beta) * sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
     return a * u
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
+    return silu(g) * u
 
 
 def glu_act(cfg, g, u):
@@ -78,7 +102,7 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     acc = torch.zeros_like(x)
     for j in range(K):
         acc = acc + z[j:j + T] * wk[:, j]
-    return F.silu(acc), z[T:].clone() if K > 1 else state
+    return silu(acc), z[T:].clone() if K > 1 else state
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

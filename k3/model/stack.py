@@ -14,6 +14,7 @@ import torch
 
 from ..errors import NumericError
 from .kda import KDAState, kda_layer
+from .kda import rollback as kda_rollback
 from .mla import MLAState, mla_layer
 from .moe import dense_mlp, moe_block
 from .ops import attn_res, linear, rms_norm
@@ -53,6 +54,24 @@ class InferenceState:
                 ls.conv_q, ls.conv_k, ls.conv_v, ls.S = s
             else:  # appends after the snapshot went past position s: cut them off
                 ls.truncate(s)
+
+
+    def record(self, on: bool) -> None:
+        """Start (or stop) recording each KDA layer's next pass, so that rollback() can keep
+        any prefix of it."""
+        for ls in self.layers:
+            if isinstance(ls, KDAState):
+                ls.record = {} if on else None
+
+    def rollback(self, snap: "Snapshot", keep: int) -> None:
+        """Keep only the first ``keep`` tokens of the recorded pass that started at
+        ``snap``: exactly the state reading just those tokens would have given."""
+        del self.ids[snap.n_ids + keep:]
+        for ls, s in zip(self.layers, snap.layers):
+            if isinstance(ls, KDAState):
+                kda_rollback(ls, s[:3], s[3], keep)
+            else:
+                ls.truncate(s + keep)
 
 
 @dataclass
