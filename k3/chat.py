@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from . import env
 from .errors import UsageError
-from .fsutil import atomic_write
+from .fsutil import JSONProblem, atomic_write, loads_json
 from .model.stack import Observer
 
 DEFAULT_MAX_TOKENS = 4096
@@ -55,7 +55,7 @@ class ChatSession:
 
     def __init__(self, engine, fmt, *, system: str | None = None, sampling=None,
                  max_context: int | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, spec: int = 0, spec_corpus=None):
         self.engine, self.fmt = engine, fmt
         self.tok = engine.tokenizer
         self.system = system
@@ -63,6 +63,7 @@ class ChatSession:
         self.max_context = int(max_context if max_context is not None else engine.max_context)
         self.max_tokens = int(max_tokens)
         self.observer = observer
+        self.spec, self.spec_corpus = spec, spec_corpus  # speculative decoding (exact) for every answer
         if self.max_context < 2:
             raise UsageError(f"--max-context must be >= 2, got {max_context}.")
         if self.max_context > engine.max_context:
@@ -95,11 +96,20 @@ class ChatSession:
 
     def resume_state(self, loaded) -> None:
         """Continue from a state file (k3.state.LoadedState)."""
+        from .state import StateFileError
+
+        msgs, turn = loaded.extra.get("messages", []), loaded.extra.get("turn")
+        if not (isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)):
+            raise StateFileError("the state file's `extra.messages` is not a list of message objects (with a role); "
+                                 "it was not written by k3 chat, or was edited. Start a new conversation.")
+        if turn is not None and (not isinstance(turn, int) or isinstance(turn, bool) or turn < 0):
+            raise StateFileError(f"the state file's `extra.turn` is {turn!r}, not a turn count; it was edited. "
+                                 "Start a new conversation.")
         self.reset()
         self.state = loaded.state
         self.seq = loaded.tokens
-        self.messages = [dict(m) for m in loaded.extra.get("messages", [])]
-        self.turn = int(loaded.extra.get("turn", sum(1 for m in self.messages if m.get("role") == "assistant")))
+        self.messages = [dict(m) for m in msgs]
+        self.turn = turn if turn is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
 
     def state_extra(self) -> dict:
         return {"messages": self.messages, "turn": self.turn, "format": self.fmt.name,
@@ -156,7 +166,8 @@ class ChatSession:
             try:
                 for st in self.engine.decode(self.pending, state=self.state, max_tokens=budget,
                                              sampler=self._sampler(), stop_ids=self.fmt.stop_ids,
-                                             observer=intr, undo_on_interrupt=True):
+                                             observer=intr, undo_on_interrupt=True, spec=self.spec,
+                                             spec_corpus=self.spec_corpus):
                     if st.step == 0:
                         res.prefill_seconds = st.seconds
                         if on_prefill_done is not None:
@@ -266,9 +277,9 @@ def read_history(path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            m = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}: line {n} is not JSON; a history file holds one message object a line.") from None
+            m = loads_json(line)
+        except JSONProblem as e:
+            raise UsageError(f"{path}: line {n} {e.problem}; a history file holds one message object a line.") from None
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise UsageError(f"{path}: line {n} is not a message (an object with role system/user/assistant/tool).")
         msgs.append(m)

@@ -14,7 +14,6 @@ a shard missing or truncated, the config unreadable): then 1. Works without a mo
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -226,7 +225,8 @@ class ModelFacts:
 
 
 def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
-    from .checkpoint.safetensors import INDEX_NAME, read_shard_header
+    from .checkpoint.safetensors import INDEX_NAME, read_index, read_shard_header
+    from .fsutil import path_problem
     from .config import load_config
 
     facts = ModelFacts()
@@ -246,14 +246,13 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
     # shards named by the index (or all *.safetensors without one)
     index_path = model / INDEX_NAME
     weight_map: dict = {}
-    if index_path.is_file():
+    if os.path.lexists(index_path):
         try:
-            doc = json.loads(index_path.read_text(encoding="utf-8"))
-            weight_map = doc["weight_map"]
-            declared_total = (doc.get("metadata") or {}).get("total_size")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            rep.blocking.append(f"{index_path}: not a readable index ({e}); re-download it.")
+            weight_map, meta = read_index(index_path)
+        except K3Error as e:
+            rep.blocking.append(str(e))
             return facts
+        declared_total = (meta or {}).get("total_size")
         shards = sorted(set(weight_map.values()))
     else:
         declared_total = None
@@ -265,8 +264,12 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
     size_total = 0
     for name in shards:
         p = model / name
-        if not p.is_file():
+        why = path_problem(p)
+        if why == "does not exist":
             missing.append(name)
+            continue
+        if why is not None:  # a folder, a broken link, a link loop: say what it is
+            bad.append((name, f"{p} {why}; it should be the shard file"))
             continue
         try:
             h = read_shard_header(p)

@@ -93,6 +93,7 @@ class Step:
     pass_index: int = 0  # the weight pass that produced it (one pass emits several tokens with --spec)
     drafted: int = 0  # speculative decoding, on a pass's first token: tokens drafted and accepted in that pass
     accepted: int = 0
+    batch: int = 1  # sequences that shared the pass (its seconds and bytes are theirs together)
     logits: torch.Tensor | None = None  # step 0 always; every step with keep_logits
 
     @property
@@ -167,7 +168,7 @@ class Engine:
     when the folder has one. Use :func:`load` to make one; close it (or use ``with``)."""
 
     def __init__(self, cfg, model: Model, provider, plan: Plan, tokenizer, model_dir, *, max_context: int,
-                 load_seconds: float = 0.0, spec: int = 0):
+                 load_seconds: float = 0.0, spec: int = 0, max_batch: int = 1):
         self.cfg = cfg
         self.model = model
         self.provider = provider
@@ -177,6 +178,7 @@ class Engine:
         self.max_context = max_context
         self.load_seconds = load_seconds
         self.spec = spec  # the most drafted tokens per pass the plan holds
+        self.max_batch = max_batch  # the most sequences decoded together the plan holds
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
 
     # ------------------------------------------------------------ conveniences
@@ -210,120 +212,32 @@ class Engine:
                max_tokens: int, sampler=None, stop_ids=(), keep_logits: bool = False,
                observer: Observer | None = None, undo_on_interrupt: bool = False, spec: int = 0,
                spec_corpus=None) -> Iterator[Step]:
-        """THE decode loop. ``feed``: the tokens to read before the first new one (the
-        prompt; with ``state``, the tokens not yet in it). Incremental: ``state`` (a fresh
-        one if None) is extended in place, and after the loop the last token is not yet in
-        it (it is fed at the next call). Full recompute: the whole sequence (``state``'s
-        ids + ``feed``) is re-read every step. ``sampler``: a k3.sampling.Sampler (None =
-        greedy). Stops after ``max_tokens`` or at a token of ``stop_ids`` (which is
-        yielded). A forward pass that fails (a read error, numbers that stop being finite:
-        NumericError, naming the step and where) is undone before the error propagates,
-        so ``state`` stays usable; with ``undo_on_interrupt``, so is one cut short by
-        KeyboardInterrupt.
+        """One sequence through the decode loop (a :class:`Batch` of one). ``feed``: the
+        tokens to read before the first new one (the prompt; with ``state``, the tokens
+        not yet in it). Incremental: ``state`` (a fresh one if None) is extended in place,
+        and after the loop the last token is not yet in it (it is fed at the next call).
+        Full recompute: the whole sequence is re-read every step. ``sampler``: a
+        k3.sampling.Sampler (None = greedy). Stops after ``max_tokens`` or at a token of
+        ``stop_ids`` (which is yielded). ``spec`` > 0: exact speculative decoding (see
+        :class:`Batch`). A forward pass that fails (a read error, numbers that stop being
+        finite: NumericError, naming the step and where) is undone before the error
+        propagates, so ``state`` stays usable; with ``undo_on_interrupt``, so is one cut
+        short by KeyboardInterrupt."""
+        batch = Batch(self, observer=observer, undo_on_interrupt=undo_on_interrupt)
+        req = batch.add(feed, state=state, incremental=incremental, max_tokens=max_tokens, sampler=sampler,
+                        stop_ids=stop_ids, keep_logits=keep_logits, spec=spec, spec_corpus=spec_corpus)
+        return self._steps(batch, req)  # a request refused above raises here, not at the first step
 
-        ``spec`` > 0: exact speculative decoding (incremental only). Each pass after the
-        prefill reads [last token + up to ``spec`` drafted tokens] (k3.spec: the sequence's
-        own n-grams, then ``spec_corpus``'s) and keeps the longest prefix the model agrees
-        with (greedy: its argmax; sampling: exact speculative sampling), plus the model's
-        own next token; the state is rolled back exactly to what it keeps. The tokens are
-        those of plain greedy decoding; each pass yields one Step per token it emits."""
-        feed = list(feed)
-        if spec and not incremental:
-            raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
-                             "incremental decoding (drop --full-recompute).")
-        if incremental and state is None:
-            state = self.new_state()
-        seq = (list(state.ids) if state is not None else []) + feed
-        pending = feed
-        counters = self.provider.counters()
-        drafter = None
-        if spec:
-            from .spec import Drafter
-            drafter = Drafter(seq, spec, spec_corpus)
-        n = 0  # tokens emitted
-        npass = 0
-        while n < max_tokens:
-            drafts = drafter.draft()[:max_tokens - n - 1] if drafter is not None and n else []
-            block = pending + drafts
-            t0 = time.perf_counter()
-            snap0 = state.snapshot() if incremental else None
-            snap = snap0 if undo_on_interrupt else None
-            if drafts:  # verification reads every position; the KDA inputs are kept for the rollback
-                state.record(True)
-            try:
-                if drafts:
-                    logits = self.model.forward(block, state, last_only=False, observer=observer)
-                elif incremental:
-                    logits = self._forward(block, state, observer)
-                else:  # the whole sequence from nothing (its KV cache lives for this step only)
-                    logits = self._forward(seq, self.model.new_state(len(seq)), observer)
-            except KeyboardInterrupt:
-                if snap is not None:
-                    state.restore(snap)
-                if drafts:
-                    state.record(False)
-                raise
-            except K3Error as e:  # a failed read or non-finite numbers: the pass is undone, nothing yielded
-                if incremental:
-                    state.restore(snap0)
-                    state.record(False)
-                if isinstance(e, NumericError):
-                    raise NumericError(f"step {n} ({len(block) if incremental else len(seq)} tokens read): "
-                                       f"{e}") from None
-                raise
-            rows = logits.reshape(-1, logits.shape[-1]) if drafts else logits.reshape(1, -1)
-            if not drafts:
-                toks, kept = [greedy(rows[0]) if sampler is None else int(sampler(rows[0]))], 0
-            elif sampler is None:
-                kept = 0
-                while kept < len(drafts) and greedy(rows[kept]) == drafts[kept]:
-                    kept += 1
-                toks = drafts[:kept] + [greedy(rows[kept])]
-            else:
-                toks, kept = sampler.verify(rows, drafts)
-            stop = next((j for j, t in enumerate(toks) if t in stop_ids), None)
-            if stop is not None:
-                toks = toks[:stop + 1]  # the stop token is emitted, never fed
-            if drafts:
-                if len(toks) - 1 < len(drafts):  # drop what was read past the tokens kept
-                    state.rollback(snap0, len(toks))
-                state.record(False)
-            dt = time.perf_counter() - t0
-            now = self.provider.counters()
-            d = {k: now[k] - counters[k] for k in now}
-            counters = now
-            fed = len(block) if incremental else len(seq)
-            for j, tok in enumerate(toks):
-                first = j == 0
-                finish = "stop" if tok in stop_ids else "length" if n == max_tokens - 1 else None
-                yield Step(n, tok, dt if first else 0.0, fed=fed if first else 0,
-                           bytes_read=(d["expert_bytes_read"] + d["trunk_bytes_read"] + d["table_bytes_read"])
-                           if first else 0,
-                           expert_requests=d["expert_requests"] if first else 0,
-                           expert_hits=d["expert_hits"] if first else 0,
-                           expert_bytes_read=d["expert_bytes_read"] if first else 0,
-                           trunk_bytes_read=d["trunk_bytes_read"] if first else 0,
-                           table_bytes_read=d["table_bytes_read"] if first else 0,
-                           io_seconds=d["expert_read_seconds"] + d["trunk_device_seconds"] if first else 0.0,
-                           finish=finish, pass_index=npass, drafted=len(drafts) if first else 0,
-                           accepted=kept if first else 0,
-                           logits=rows[j].clone() if keep_logits or n == 0 else None)
-                n += 1
-                if finish is not None:
-                    return
-            seq += toks
-            pending = toks[-1:]
-            if drafter is not None:
-                drafter.extend(toks)
-            npass += 1
+    @staticmethod
+    def _steps(batch: "Batch", req: "Request") -> Iterator[Step]:
+        while not req.finished:
+            for _, steps in batch.step():
+                yield from steps
 
-    def _forward(self, ids: list[int], state: InferenceState, observer) -> torch.Tensor:
-        """The last token's logits after reading ids into state, in prefill pieces."""
-        pieces = prefill_pieces(len(ids))
-        for a, b in pieces[:-1]:
-            self.model.hidden(ids[a:b], state, observer)
-        a, b = pieces[-1]
-        return self.model.forward(ids[a:b], state, observer=observer)
+    def batch(self, *, observer: Observer | None = None) -> "Batch":
+        """A batch of sequences decoded together: add() them (now or between steps), then
+        step() until none is active. One pass over the weights serves every sequence."""
+        return Batch(self, observer=observer)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 16, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
@@ -345,11 +259,9 @@ class Engine:
         settings = sampling if sampling != "default" else self.sampling(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy=greedy)
         sampler = settings.sampler() if settings is not None else None
-        self.check_length(len(state.ids) if state is not None else 0, len(ids), max_tokens)
         if spec_corpus is not None and not hasattr(spec_corpus, "continuations"):
             from .spec import NgramIndex
             spec_corpus = NgramIndex(spec_corpus)
-        self.check_spec(spec)
         steps = self._with_text(self.decode(ids, state=state, incremental=incremental, max_tokens=max_tokens,
                                             sampler=sampler, stop_ids=stop_ids, keep_logits=keep_logits,
                                             observer=observer, spec=spec, spec_corpus=spec_corpus))
@@ -387,7 +299,8 @@ class Engine:
             yield s
 
     def chat(self, *, system: str | None = None, thinking: bool = True, thinking_effort: str | None = "max",
-             fmt: str = "auto", sampling=None, max_tokens: int = 4096, max_context: int | None = None):
+             fmt: str = "auto", sampling=None, max_tokens: int = 4096, max_context: int | None = None,
+             spec: int = 0, spec_corpus=None):
         """A conversation on this engine (:class:`k3.chat.ChatSession`): ``send(text)``
         runs one turn on the same decode loop, carrying the state between turns."""
         from .chat import ChatSession
@@ -395,8 +308,9 @@ class Engine:
         if self.tokenizer is None:
             raise UsageError(f"{self.model_dir} has no tokenizer (tiktoken.model): a chat needs one.")
         f = chat_format_for(self.tokenizer, self.cfg, thinking=thinking, thinking_effort=thinking_effort, kind=fmt)
+        self.check_spec(spec)
         return ChatSession(self, f, system=system, sampling=sampling, max_tokens=max_tokens,
-                           max_context=max_context or self.max_context)
+                           max_context=max_context or self.max_context, spec=spec, spec_corpus=spec_corpus)
 
     # ------------------------------------------------------------ reports and lifetime
     def stats(self) -> dict:
@@ -415,10 +329,205 @@ class Engine:
         self.close()
 
 
+@dataclass
+class Request:
+    """One sequence in a :class:`Batch`: what it still has to read, its state, its limits."""
+
+    id: int
+    state: InferenceState | None  # None in full recompute (a fresh one per re-read)
+    incremental: bool
+    seq: list  # the whole sequence: every token read, or still to read
+    reading: list  # tokens to read before its next token is picked
+    max_tokens: int
+    sampler: object = None
+    stop_ids: tuple = ()
+    keep_logits: bool = False
+    drafter: object = None
+    emitted: int = 0
+    passes: int = 0
+    finish: str | None = None  # "stop" or "length" once finished
+    work: InferenceState | None = None  # full recompute: the re-read in progress
+    drafts: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # emitted so far
+    carry: dict = field(default_factory=dict)  # time, tokens and I/O of passes that emitted nothing yet
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+class Batch:
+    """THE decode loop: sequences (:class:`Request`) read and generate together, one
+    forward pass per :meth:`step`. A pass reads, for each active sequence, its next
+    prefill piece (a long prompt takes several passes, so activations stay bounded), or
+    its last token - plus, with ``spec``, the tokens drafted after it - and emits its
+    next tokens once its reading is done. Sequences may join (:meth:`add`) and finish
+    between steps. Every op but the mixers works on each token alone, so a sequence's
+    tokens and logits are those it gets alone.
+
+    Speculative decoding (``spec`` > 0, incremental only): each pass after the prefill
+    reads [last token + up to ``spec`` drafted tokens] (k3.spec: the sequence's own
+    n-grams, then ``spec_corpus``'s) and keeps the longest prefix the model agrees with
+    (greedy: its argmax; sampling: exact speculative sampling), plus the model's own next
+    token; the state is rolled back exactly to what it keeps. The tokens are those of
+    plain decoding; a pass yields one Step per token it emits."""
+
+    def __init__(self, engine: "Engine", *, observer: Observer | None = None, undo_on_interrupt: bool = False):
+        self.engine = engine
+        self.observer = observer
+        self.undo_on_interrupt = undo_on_interrupt
+        self.requests: list[Request] = []
+        self._next_id = 0
+        self._counters = engine.provider.counters()
+
+    @property
+    def active(self) -> list[Request]:
+        return [r for r in self.requests if not r.finished]
+
+    def add(self, feed: Sequence[int], *, state: InferenceState | None = None, incremental: bool = True,
+            max_tokens: int, sampler=None, stop_ids=(), keep_logits: bool = False, spec: int = 0,
+            spec_corpus=None) -> Request:
+        feed = list(feed)
+        if spec and not incremental:
+            raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
+                             "incremental decoding (drop --full-recompute).")
+        if len(self.active) >= self.engine.max_batch:
+            raise UsageError(f"the batch already holds {len(self.active)} sequences, the most the engine's memory "
+                             f"plan holds (max_batch={self.engine.max_batch}).")
+        self.engine.check_spec(spec)
+        self.engine.check_length(len(state.ids) if state is not None else 0, len(feed), max_tokens)
+        if incremental and state is None:
+            state = self.engine.new_state()
+        seq = (list(state.ids) if state is not None else []) + feed
+        drafter = None
+        if spec:
+            from .spec import Drafter
+            drafter = Drafter(seq, spec, spec_corpus)
+        req = Request(self._next_id, state if incremental else None, incremental, seq, feed if incremental else [],
+                      max_tokens, sampler, tuple(stop_ids), keep_logits, drafter)
+        self._next_id += 1
+        if max_tokens <= 0:
+            req.finish = "length"
+        self.requests.append(req)
+        return req
+
+    def step(self) -> list[tuple[Request, list[Step]]]:
+        """One forward pass over every active sequence; returns the Steps each emitted."""
+        active = self.active
+        if not active:
+            return []
+        eng = self.engine
+        segments, blocks = [], []
+        for r in active:
+            if not r.incremental and not r.reading:  # full recompute: re-read the whole sequence
+                r.work, r.reading = eng.model.new_state(len(r.seq)), list(r.seq)
+            st = r.state if r.incremental else r.work
+            piece = r.reading[:prefill_pieces(len(r.reading))[0][1]]
+            r.drafts = []
+            if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
+                r.drafts = r.drafter.draft()[:r.max_tokens - r.emitted - 1]
+            blocks.append(piece + r.drafts)
+            segments.append((piece + r.drafts, st))
+        snaps = [st.snapshot() for _, st in segments]
+        for r in active:
+            if r.drafts:
+                r.state.record(True)
+        t0 = time.perf_counter()
+        try:
+            h = eng.model.hidden_batch(segments, self.observer)
+            rows, where, at = [], [], 0
+            for r, blk in zip(active, blocks):  # the rows whose logits are needed
+                at += len(blk)
+                done_reading = len(blk) - len(r.drafts) == len(r.reading)
+                if done_reading:
+                    n = 1 + len(r.drafts)
+                    where.append((len(rows), n))
+                    rows.extend(range(at - n, at))
+                else:
+                    where.append(None)
+            logits = eng.model.logits(h[rows]) if rows else None
+        except BaseException as e:
+            undo = isinstance(e, K3Error) or (isinstance(e, KeyboardInterrupt) and self.undo_on_interrupt)
+            for (_, st), snap, r in zip(segments, snaps, active):
+                st.record(False)
+                if undo:
+                    st.restore(snap)
+            if isinstance(e, NumericError):
+                raise NumericError(f"step {max(r.emitted for r in active)} "
+                                   f"({sum(len(b) for b in blocks)} tokens read): {e}") from None
+            raise
+        out = []
+        dt = time.perf_counter() - t0
+        now = eng.provider.counters()
+        d = {k: now[k] - self._counters[k] for k in now}
+        self._counters = now
+        for r, blk, w, snap in zip(active, blocks, where, snaps):
+            r.reading = r.reading[len(blk) - len(r.drafts):]
+            c = r.carry
+            c["seconds"] = c.get("seconds", 0.0) + dt
+            c["fed"] = c.get("fed", 0) + len(blk)
+            for k, v in d.items():
+                c[k] = c.get(k, 0) + v
+            if w is None:  # still reading its prompt (or its sequence, in full recompute): counted at its next token
+                continue
+            r.carry = {}
+            rr = logits[w[0]:w[0] + w[1]]
+            toks, kept = self._pick(r, rr)
+            stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
+            if stop is not None:
+                toks = toks[:stop + 1]  # the stop token is emitted, never fed
+            if r.drafts:
+                if len(toks) - 1 < len(r.drafts):  # drop what was read past the tokens kept
+                    r.state.rollback(snap, len(toks))
+                r.state.record(False)
+            steps = []
+            for j, tok in enumerate(toks):
+                first = j == 0
+                finish = "stop" if tok in r.stop_ids else "length" if r.emitted == r.max_tokens - 1 else None
+                steps.append(Step(
+                    r.emitted, tok, c["seconds"] if first else 0.0, fed=c["fed"] if first else 0,
+                    bytes_read=(c["expert_bytes_read"] + c["trunk_bytes_read"] + c["table_bytes_read"])
+                    if first else 0, expert_requests=c["expert_requests"] if first else 0,
+                    expert_hits=c["expert_hits"] if first else 0,
+                    expert_bytes_read=c["expert_bytes_read"] if first else 0,
+                    trunk_bytes_read=c["trunk_bytes_read"] if first else 0,
+                    table_bytes_read=c["table_bytes_read"] if first else 0,
+                    io_seconds=c["expert_read_seconds"] + c["trunk_device_seconds"] if first else 0.0,
+                    finish=finish, pass_index=r.passes, drafted=len(r.drafts) if first else 0,
+                    accepted=kept if first else 0, batch=len(active),
+                    logits=rr[j].clone() if r.keep_logits or r.emitted == 0 else None))
+                r.emitted += 1
+                r.tokens.append(tok)
+                if finish is not None:
+                    r.finish = finish
+                    break
+            emitted = [s.token for s in steps]
+            r.seq += emitted
+            if r.drafter is not None:
+                r.drafter.extend(emitted)
+            if r.incremental:
+                r.reading = emitted[-1:]
+            r.passes += 1
+            out.append((r, steps))
+        return out
+
+    @staticmethod
+    def _pick(r: Request, rows) -> tuple[list[int], int]:
+        """The tokens a pass emits, and how many drafts it kept."""
+        if not r.drafts:
+            return [greedy(rows[-1]) if r.sampler is None else int(r.sampler(rows[-1]))], 0
+        if r.sampler is not None:
+            return r.sampler.verify(rows, r.drafts)
+        kept = 0
+        while kept < len(r.drafts) and greedy(rows[kept]) == r.drafts[kept]:
+            kept += 1
+        return r.drafts[:kept] + [greedy(rows[kept])], kept
+
+
 def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str | None = None,
          cache_gb: float | None = None, trunk_ring: int = 2, ultra_low_memory: bool = False, io_threads: int = 4,
          budgets: Budgets | None = None, layers: int | None = None, threads: int | None = None, config=None,
-         max_context: int = DEFAULT_MAX_CONTEXT, kv_cache: bool = True, trace: bool = False,
+         max_context: int = DEFAULT_MAX_CONTEXT, max_batch: int = 1, kv_cache: bool = True, trace: bool = False,
          kda_chunked: bool | None = None, spec: int = 0, log=None, progress=None) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
@@ -426,8 +535,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     from ``k3 pack-trunk``: stream the trunk), ``trunk_gb`` / ``cache_gb`` (override the
     preset), ``trunk_ring``, ``ultra_low_memory`` (stream the model tables),
     ``io_threads``; or a whole :class:`~k3.memory.planner.Budgets` as ``budgets``.
-    ``max_context``: the most positions one sequence holds (the plan counts its KV
-    cache, unless ``kv_cache`` is False: full recompute only). ``layers`` runs only the
+    ``max_context``: the most positions one sequence holds, ``max_batch``: the most
+    sequences decoded together (the plan counts their KV caches and activations). ``layers`` runs only the
     first layers (not the full model). ``threads`` sets the compute threads (default:
     all cores). ``spec``: the most tokens speculative decoding will draft per pass (the
     plan holds what rolling a pass back needs). ``log`` receives progress messages (the
@@ -468,9 +577,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         packed = PackedTrunk.open(budgets.trunk, cfg, layout.index)
     sizes = model_sizes(layout, packed)
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
-    plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context), incremental=kv_cache,
+    if int(max_batch) < 1:
+        raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
+    plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                         available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
-                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece(), spec=spec)
+                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece() * int(max_batch), spec=spec)
     for n in plan.notes:
         say(n)
     say(plan.render())
@@ -487,11 +598,16 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         from .tokenizer import Tokenizer
         try:
             tokenizer = Tokenizer(model_dir)
+            if tokenizer.vocab_size > cfg.vocab_size:
+                raise UsageError(
+                    f"{Path(model_dir) / 'tiktoken.model'}: the tokenizer has {tokenizer.vocab_size} ids (with its "
+                    f"256 specials) but the model's vocab_size is {cfg.vocab_size}; they do not belong together. "
+                    "Use the tokenizer files of this checkpoint.")
         except K3Error as e:  # token ids still work; text needs it, and says why not
-            tok_error = e
+            tokenizer, tok_error = None, e
     model = Model(provider, n_layers=layers, kda_chunked=kda_chunked)
     eng = Engine(cfg, model, provider, plan, tokenizer, model_dir, max_context=int(max_context),
-                 load_seconds=time.perf_counter() - t0, spec=spec)
+                 load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch))
     eng.tokenizer_error = tok_error
     if provider.trunk is not None:
         say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")

@@ -19,19 +19,24 @@ engine's argmax rule.
 
 Defaults come from the model folder's `generation_config.json` when it asks for
 sampling (`do_sample: true`, as K3's does: temperature 1.0, top-p 0.95); without one,
-or with `do_sample` false, decoding is greedy unless a sampling flag is given.
+or with `do_sample` false, decoding is greedy unless a sampling flag is given. A value
+in that file of the wrong type or out of range is refused naming the file and the
+field; only a bad flag is reported as a flag.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .fsutil import json_kind, read_json_file, short_repr
 from .errors import K3Error, UsageError
-from .fsutil import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -57,13 +62,31 @@ class SamplingSettings:
         return Sampler(self.temperature, self.top_p, self.top_k, self.seed, stream, source=self.source)
 
 
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+# The one statement of what each sampling setting accepts: (test, wording). Used for the
+# flags (check_settings) and for generation_config.json (generation_defaults), each with
+# its own naming of where the value came from.
+_RULES = {
+    "temperature": (lambda v: _number(v) and math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: _number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = no limit)"),
+}
+
+
 def check_settings(temperature: float, top_p: float, top_k: int) -> None:
-    if not (temperature >= 0.0 and np.isfinite(temperature)):
-        raise UsageError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}.")
-    if not (0.0 < top_p <= 1.0):
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}.")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 = no limit), got {top_k}.")
+    """Refuse bad values given as flags (or to the Python API), in flag wording."""
+    for flag, key, v in (("--temperature", "temperature", temperature), ("--top-p", "top_p", top_p),
+                         ("--top-k", "top_k", top_k)):
+        ok, wording = _RULES[key]
+        if not ok(v):
+            raise UsageError(f"{flag} must be {wording}, got {short_repr(v)}.")
 
 
 class Sampler:
@@ -72,8 +95,8 @@ class Sampler:
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  stream: int = 0, source: str = ""):
         check_settings(temperature, top_p, top_k)
-        if seed < 0 or stream < 0:
-            raise UsageError(f"--seed must be >= 0, got {seed}.")
+        if not (_integer(seed) and _integer(stream) and seed >= 0 and stream >= 0):
+            raise UsageError(f"--seed must be an integer >= 0, got {short_repr(seed)}.")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.top_k = int(top_k)
@@ -83,10 +106,10 @@ class Sampler:
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.stream])))
         self.draws = 0
 
-    def __call__(self, logits) -> int:
+    def _dist(self, logits):
+        """(kept token ids, their unnormalised weights, cumulative weights): the tokens
+        left after top-k and top-p, in descending order of logit."""
         x = _as_float64(logits)
-        if self.temperature == 0.0:
-            return int(np.argmax(x))
         order = np.argsort(-x, kind="stable")
         if self.top_k:
             order = order[: self.top_k]
@@ -96,10 +119,43 @@ class Sampler:
         n = len(c)
         if self.top_p < 1.0:
             n = min(n, int(np.searchsorted(c, self.top_p * c[-1], side="left")) + 1)
-        u = self.rng.random()
+        return order[:n], w[:n], c[:n]
+
+    def _draw(self) -> float:
         self.draws += 1
-        i = int(np.searchsorted(c[:n], u * c[n - 1], side="right"))
-        return int(order[min(i, n - 1)])
+        return self.rng.random()
+
+    def __call__(self, logits) -> int:
+        if self.temperature == 0.0:
+            return int(np.argmax(_as_float64(logits)))
+        order, _, c = self._dist(logits)
+        i = int(np.searchsorted(c, self._draw() * c[-1], side="right"))
+        return int(order[min(i, len(c) - 1)])
+
+    def verify(self, rows, drafts) -> tuple[list[int], int]:
+        """Exact speculative sampling over the logits ``rows`` of [last token + drafts]:
+        drafted token x (a deterministic guess) is kept with probability p(x); at the
+        first one not kept, the token is drawn from p without x, renormalised; when every
+        draft is kept, one more token is drawn from the last row. Each emitted token has
+        the distribution plain sampling gives it. Returns (tokens, drafts kept)."""
+        if self.temperature == 0.0:
+            kept = 0
+            while kept < len(drafts) and int(np.argmax(_as_float64(rows[kept]))) == drafts[kept]:
+                kept += 1
+            return list(drafts[:kept]) + [int(np.argmax(_as_float64(rows[kept])))], kept
+        for i, x in enumerate(drafts):
+            order, w, c = self._dist(rows[i])
+            at = np.flatnonzero(order == x)
+            px = w[at[0]] / c[-1] if len(at) else 0.0
+            if self._draw() < px:
+                continue
+            if len(at):  # x was not kept: draw from the rest
+                w = w.copy()
+                w[at[0]] = 0.0
+                c = np.cumsum(w)
+            j = int(np.searchsorted(c, self._draw() * c[-1], side="right"))
+            return list(drafts[:i]) + [int(order[min(j, len(c) - 1)])], i
+        return list(drafts) + [self(rows[len(drafts)])], len(drafts)
 
     def describe(self) -> str:
         return SamplingSettings(self.temperature, self.top_p, self.top_k, self.seed, self.source).describe()
@@ -126,18 +182,39 @@ def _as_float64(logits) -> np.ndarray:
 # ---------------------------------------------------------------- generation_config.json
 def generation_defaults(model_dir) -> dict:
     """{do_sample, temperature, top_p, top_k} found in MODEL/generation_config.json
-    (only the keys present); {} when there is no such file."""
+    (only the keys present; null counts as absent); {} when there is no such file.
+    A value of the wrong type or out of range is a UsageError naming the file and the
+    field (never the command-line flag, and never silently ignored)."""
     if model_dir is None:
         return {}
     p = Path(model_dir) / GENERATION_CONFIG
-    if not p.is_file():
+    if not os.path.lexists(p):
         return {}
-    raw = read_json_object(p, "Fix or remove it, or pass the sampling flags.")
+    hint = "Fix or remove it, or pass the sampling flags."
+    raw = read_json_file(p, error=UsageError, hint=hint)
+    if not isinstance(raw, dict):
+        raise UsageError(f"{p}: {GENERATION_CONFIG} must hold a JSON object, not {json_kind(raw)}. {hint}")
     out = {}
-    for k, typ in (("do_sample", bool), ("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int)):
+    problems = []
+    v = raw.get("do_sample")
+    if v is not None:
+        if isinstance(v, bool):
+            out["do_sample"] = v
+        else:
+            problems.append(f"`do_sample` must be true or false, got {json_kind(v)}")
+    for k, (ok, wording) in _RULES.items():
         v = raw.get(k)
-        if v is not None and isinstance(v, typ) and not (typ is int and isinstance(v, bool)):
+        if v is None:
+            continue
+        if ok(v):
             out[k] = v
+        elif isinstance(v, float) and not math.isfinite(v):
+            problems.append(f"`{k}` is {'NaN' if v != v else 'Infinity' if v > 0 else '-Infinity'}; it must be "
+                            f"{wording}")
+        else:
+            problems.append(f"`{k}` must be {wording}, got {json_kind(v)}")
+    if problems:
+        raise UsageError(f"{p}: " + "; ".join(problems) + f". {hint}")
     return out
 
 
@@ -146,6 +223,10 @@ def resolve(model_dir=None, *, temperature: float | None = None, top_p: float | 
     """The sampling settings asked for (None = greedy): the given values over the model
     folder's generation_config.json (when it samples), a fresh seed when none is given."""
     t, p, k = temperature, top_p, top_k
+    # flags first, in flag wording (the file's values are checked, in its own wording, when read)
+    check_settings(1.0 if t is None else t, 1.0 if p is None else p, 0 if k is None else k)
+    if seed is not None and not (_integer(seed) and seed >= 0):
+        raise UsageError(f"--seed must be an integer >= 0, got {short_repr(seed)}.")
     if greedy:
         if t not in (None, 0) or p is not None or k is not None:
             raise UsageError("--greedy cannot be combined with --temperature/--top-p/--top-k.")
@@ -166,6 +247,4 @@ def resolve(model_dir=None, *, temperature: float | None = None, top_p: float | 
     if seed is None:
         seed = secrets.randbits(31)
         source += "; fresh seed, pass --seed to repeat"
-    if seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {seed}.")
     return SamplingSettings(temperature, top_p, top_k, int(seed), source)

@@ -25,22 +25,28 @@ Layers hold no tensors when positions == 0.
 
 Loading refuses, with the reason: a file that is not a k3 state file, another format
 version, a state written by another model (fingerprint) or for another layer count, a
-truncated or damaged file (size, shapes, checksum), and a state with more positions
-than the run's KV capacity (`max_positions`).
+truncated or damaged file (size, shapes, checksum), a hand-edited header (a metadata
+value of the wrong type, a count that is not a decimal string, an `extra` that is not a
+JSON object, an entry whose dtype/shape/offsets do not match), and a state with more
+positions than the run's KV capacity (`max_positions`). Every refusal is a
+StateFileError naming the file and the field; nothing is allocated before the header
+and the file size agree.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import __version__
+from .fsutil import JSONProblem, json_kind, loads_json, path_problem, short_repr
 from .errors import K3Error, UsageError
 from .model.kda import KDAState
 from .model.mla import MLAState
@@ -51,6 +57,10 @@ VERSION = 1
 MAX_HEADER = 100_000_000
 _CHUNK = 64 << 20
 _DT = {"F32": (torch.float32, 4), "I64": (torch.int64, 8)}
+# Counts in the metadata are decimal strings; 15 digits (10^15 tokens) is beyond any
+# file, and bounds the arithmetic done before the file size refuses a damaged count.
+_COUNT_RE = re.compile(r"[0-9]{1,15}")
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class StateFileError(K3Error):
@@ -151,8 +161,13 @@ def _refuse(path, why: str) -> StateFileError:
 
 def read_state_header(path) -> tuple[dict, dict, int, int]:
     """(metadata, tensor entries, data start, file size); refuses files that are not
-    k3 state files or are cut short."""
+    k3 state files or are cut short. Every refusal is a StateFileError naming the file."""
     p = Path(path)
+    why = path_problem(p)
+    if why == "does not exist":
+        raise StateFileError(f"{path}: no such state file.")
+    if why is not None:
+        raise StateFileError(f"{path}: the state file {why}.")
     try:
         size = p.stat().st_size
         f = open(p, "rb")
@@ -170,45 +185,91 @@ def read_state_header(path) -> tuple[dict, dict, int, int]:
         if 8 + n > size:
             raise _refuse(path, f"the file is truncated: its header alone needs {8 + n} bytes and the file has {size}.")
         raw = f.read(n)
+    if len(raw) < n:
+        raise _refuse(path, f"the file is truncated: its header alone needs {8 + n} bytes.")
     try:
-        hdr = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _refuse(path, "it is not a k3 conversation state file (the header is not JSON).") from None
+        hdr = loads_json(raw)
+    except JSONProblem as e:
+        raise _refuse(path, f"it is not a k3 conversation state file (its header {e.problem}).") from None
     if not isinstance(hdr, dict):
         raise _refuse(path, "it is not a k3 conversation state file.")
-    meta = hdr.pop("__metadata__", None) or {}
+    meta = hdr.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _refuse(path, "it is not a k3 conversation state file (a safetensors file without k3 state "
                             "metadata; a model shard, perhaps?). Give a file written by --save-state.")
     return meta, hdr, 8 + n, size
 
 
+def _count(path, meta: dict, key: str, what: str) -> int:
+    """A count from the metadata: a decimal string (safetensors metadata is string ->
+    string), else a StateFileError naming the field."""
+    v = meta.get(key)
+    if v is None:
+        raise _refuse(path, f"its metadata is incomplete: it lacks `{key}` ({what}); the file is damaged.")
+    if not isinstance(v, str) or not _COUNT_RE.fullmatch(v):
+        raise _refuse(path, f"its metadata field `{key}` ({what}) is {json_kind(v)}, "
+                            "not a non-negative integer written as a string (at most 15 digits); the file is "
+                            "damaged.")
+    return int(v)
+
+
+def _extra(path, meta: dict) -> dict:
+    v = meta.get("extra")
+    if v is None or v == "":
+        return {}
+    if not isinstance(v, str):
+        raise _refuse(path, f"its metadata field `extra` is {json_kind(v)}, not a JSON object written as a string; "
+                            "the file is damaged.")
+    try:
+        extra = loads_json(v)
+    except JSONProblem as e:
+        raise _refuse(path, f"its metadata field `extra` {e.problem}; the file is damaged.") from None
+    if not isinstance(extra, dict):
+        raise _refuse(path, f"its metadata field `extra` holds {json_kind(extra)}, not a JSON object; the file is "
+                            "damaged.")
+    return extra
+
+
 def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None = None) -> LoadedState:
     """Read a state file for this model. `max_positions` is the run's KV capacity
     (refused when the state holds more tokens); `n_layers` the layers bound in this
-    run (default all)."""
+    run (default all). Everything read from the header is checked for its type and
+    range before it is used: a damaged or hand-edited file is a StateFileError naming
+    the field, never another exception."""
     meta, entries, start, size = read_state_header(path)
-    try:
-        version = int(meta.get("version", "0"))
-    except ValueError:
-        version = -1
-    if version != VERSION:
-        raise _refuse(path, f"it is state format version {meta.get('version')!r}; this k3 reads version {VERSION}. "
+    version = meta.get("version")
+    if isinstance(version, str) and _COUNT_RE.fullmatch(version):
+        version_n = int(version)
+    elif version is None:
+        version_n = None
+    else:
+        raise _refuse(path, f"its metadata field `version` is {json_kind(version)}, "
+                            "not a format version number written as a string; the file is damaged.")
+    if version_n != VERSION:
+        raise _refuse(path, f"it is state format version {version!r}; this k3 reads version {VERSION}. "
                             "Re-create it with this version (a state file is not portable across formats).")
     fp = cfg.fingerprint()
     if meta.get("config_fingerprint") != fp:
+        def shown(key):  # a foreign file's values, printable and short
+            v = meta.get(key)
+            return v[:40] if isinstance(v, str) and v.isprintable() else short_repr(v, 40)
         raise _refuse(path, f"it was written by a different model architecture (config fingerprint "
-                            f"{meta.get('config_fingerprint')} vs {fp} here: {meta.get('arch')} hidden="
-                            f"{meta.get('hidden_size')} layers={meta.get('num_hidden_layers')} vocab="
-                            f"{meta.get('vocab_size')}, this model is {cfg.arch} hidden={cfg.hidden_size} layers="
+                            f"{shown('config_fingerprint')} vs {fp} here: {shown('arch')} hidden="
+                            f"{shown('hidden_size')} layers={shown('num_hidden_layers')} vocab="
+                            f"{shown('vocab_size')}, this model is {cfg.arch} hidden={cfg.hidden_size} layers="
                             f"{cfg.num_hidden_layers} vocab={cfg.vocab_size}). A state only continues the model "
                             "that wrote it.")
     want_layers = cfg.num_hidden_layers if n_layers is None else n_layers
-    try:
-        nl, positions, ntok = int(meta["n_layers"]), int(meta["positions"]), int(meta["tokens"])
-        extra = json.loads(meta.get("extra", "{}") or "{}")
-    except (KeyError, ValueError, json.JSONDecodeError):
-        raise _refuse(path, "its metadata is incomplete (n_layers / positions / tokens); the file is damaged.") from None
+    nl = _count(path, meta, "n_layers", "layers in the state")
+    positions = _count(path, meta, "positions", "tokens already fed")
+    ntok = _count(path, meta, "tokens", "tokens in the sequence")
+    extra = _extra(path, meta)
+    sha = meta.get("sha256")
+    if not isinstance(sha, str) or not _SHA_RE.fullmatch(sha):
+        raise _refuse(path, f"its metadata field `sha256` is {json_kind(sha)}, "
+                            "not a SHA-256 hex digest; the file is damaged.")
     if nl != want_layers:
         raise _refuse(path, f"it holds state for {nl} layers and this run binds {want_layers} (--layers must match "
                             "the run that saved it).")
@@ -228,19 +289,28 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
     names = {e[0] for e in expect}
     extra_names = sorted(set(entries) - names)
     if extra_names:
-        raise _refuse(path, f"it holds tensors this model's state has no place for ({', '.join(extra_names[:3])}); "
+        raise _refuse(path, f"it holds tensors this model's state has no place for "
+                            f"({', '.join(short_repr(n, 40) for n in extra_names[:3])}); "
                             "the file is damaged or from another model.")
     end = 0
     layout = []
     for name, dt, shape in expect:
         e = entries.get(name)
-        if not isinstance(e, dict):
+        if e is None:
             raise _refuse(path, f"tensor {name} is missing; the file is damaged.")
-        if e.get("dtype") != dt or tuple(e.get("shape", ())) != shape:
-            raise _refuse(path, f"tensor {name} is {e.get('dtype')} {e.get('shape')}, expected {dt} {list(shape)}; "
-                                "the file is damaged or from another model.")
-        b, t = e.get("data_offsets", (None, None))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _DT[dt][1]
+        if not isinstance(e, dict):
+            raise _refuse(path, f"the header entry of tensor {name} is {json_kind(e)}, not an object; the file is "
+                                "damaged.")
+        e_dt, e_shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if (e_dt != dt or not isinstance(e_shape, list) or not all(type(x) is int for x in e_shape)
+                or tuple(e_shape) != shape):
+            raise _refuse(path, f"tensor {name} is {short_repr(e_dt, 20)} {short_repr(e_shape, 40)}, expected {dt} "
+                                f"{list(shape)}; the file is damaged or from another model.")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
+            raise _refuse(path, f"tensor {name}'s data_offsets {short_repr(offs, 40)} is not a pair of integers; the "
+                                "file is damaged.")
+        b, t = offs
+        nbytes = math.prod(shape) * _DT[dt][1]
         if b != end or t != b + nbytes:
             raise _refuse(path, f"tensor {name} is not where the format puts it; the file is damaged.")
         end = t
@@ -252,21 +322,29 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
 
     h = hashlib.sha256()
     tensors: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot read the state file ({e.strerror}).") from None
+    with f:
         for name, dt, shape, b in layout:
             t = torch.empty(shape, dtype=_DT[dt][0])
             mv = _tensor_bytes(t)
-            f.seek(start + b)
             got = 0
-            while got < len(mv):
-                n = f.readinto(mv[got:got + _CHUNK])
-                if not n:
-                    raise _refuse(path, f"the file is truncated inside tensor {name}.")
-                got += n
+            try:
+                f.seek(start + b)
+                while got < len(mv):
+                    n = f.readinto(mv[got:got + _CHUNK])
+                    if not n:
+                        raise _refuse(path, f"the file is truncated inside tensor {name}.")
+                    got += n
+            except OSError as e:
+                raise StateFileError(
+                    f"{path}: reading tensor {name} of the state file failed ({e.strerror or e}).") from None
             for i in range(0, len(mv), _CHUNK):
                 h.update(mv[i:i + _CHUNK])
             tensors[name] = t
-    if meta.get("sha256") != h.hexdigest():
+    if sha != h.hexdigest():
         raise _refuse(path, "its checksum does not match its contents; the file is damaged.")
     ids = tensors["ids"].tolist()
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
@@ -280,4 +358,4 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
                 ls.conv_q, ls.conv_k, ls.conv_v, ls.S = (tensors[f"layers.{i}.{k}"] for k in ("conv_q", "conv_k", "conv_v", "S"))
             else:
                 ls.k, ls.v = tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"]
-    return LoadedState(state, ids[positions:], extra if isinstance(extra, dict) else {}, meta)
+    return LoadedState(state, ids[positions:], extra, meta)

@@ -23,11 +23,13 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from .fsutil import json_kind, path_problem, read_json_file, short_repr
 from .errors import UsageError
-from .fsutil import read_json_object
 
 PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -70,32 +72,78 @@ def pieces(text: str, max_chars: int = MAX_CHARS, max_run: int = MAX_RUN) -> Ite
         yield from split_runs(text[i:i + max_chars], max_run)
 
 
+_TOKEN_ID_RE = re.compile(r"[0-9]{1,12}")
+_MAX_RANK_DIGITS = 12
+
+
+def _first_line(lines: list[bytes], until: int, pred) -> int:
+    """1-based number of the first line before `until` whose (token, rank) fields
+    satisfy pred (for messages only: the hot loop keeps no line numbers)."""
+    for n, line in enumerate(lines[:until - 1], 1):
+        f = line.split()
+        if len(f) == 2 and pred(f):
+            return n
+    return 0  # pragma: no cover
+
+
 def read_ranks(path: Path) -> dict[bytes, int]:
     """Parse a tiktoken.model file; refuses anything that is not `base64 rank` lines
-    with distinct tokens and ranks 0..n-1."""
+    with distinct tokens, ranks 0..n-1 and every single byte a token (tiktoken's
+    byte-level BPE cannot encode text otherwise). Each refusal names the line."""
     ranks: dict[bytes, int] = {}
     seen_ranks: set[int] = set()
+    why = path_problem(path)
+    if why is not None:
+        raise UsageError(f"{path}: the tokenizer file {why}.")
     try:
         data = path.read_bytes()
     except OSError as e:
         raise UsageError(f"{path}: cannot read the tokenizer ({e.strerror}).") from None
-    for n, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
+    damaged = "the file is damaged; re-download it"
+    lines = data.splitlines()
+    b64 = base64.b64decode
+    for n, line in enumerate(lines, 1):
+        fields = line.split()
+        if len(fields) != 2:
+            if not fields:
+                continue
+            raise UsageError(f"{path}: line {n} is not `base64(token) rank` (it has {len(fields)} fields, "
+                             f"{short_repr(line)}); {damaged}.")
+        tok, rank_s = fields
         try:
-            tok, rank_s = line.split()
-            tok_b = base64.b64decode(tok, validate=True)
-            rank = int(rank_s)
+            tok_b = b64(tok, validate=True)
         except (ValueError, binascii.Error):
-            raise UsageError(f"{path}: line {n} is not `base64(token) rank`; the file is damaged.") from None
-        if tok_b in ranks or rank in seen_ranks:
-            raise UsageError(f"{path}: line {n} repeats a token or a rank already given; the file is damaged.")
+            raise UsageError(f"{path}: line {n} is not `base64(token) rank`: {short_repr(tok)} is not valid base64; "
+                             f"{damaged}.") from None
+        if not tok_b:
+            raise UsageError(f"{path}: line {n} is not `base64(token) rank`: the token is empty; {damaged}.")
+        if not rank_s.isdigit() or len(rank_s) > _MAX_RANK_DIGITS:  # bytes.isdigit: ASCII digits only
+            raise UsageError(f"{path}: line {n} is not `base64(token) rank`: the rank {short_repr(rank_s)} is not a "
+                             f"non-negative decimal integer (of at most {_MAX_RANK_DIGITS} digits); {damaged}.")
+        rank = int(rank_s)
+        if tok_b in ranks:
+            first = _first_line(lines, n, lambda f: b64(f[0]) == tok_b)
+            raise UsageError(f"{path}: line {n} repeats the token of line {first}; {damaged}.")
+        if rank in seen_ranks:
+            first = _first_line(lines, n, lambda f: int(f[1]) == rank)
+            raise UsageError(f"{path}: line {n} repeats rank {rank}, already given on line {first}; {damaged}.")
         ranks[tok_b] = rank
         seen_ranks.add(rank)
     if not ranks:
         raise UsageError(f"{path}: the tokenizer file is empty.")
-    if max(seen_ranks) != len(ranks) - 1 or min(seen_ranks) != 0:
-        raise UsageError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}; the file is damaged.")
+    n_ranks = len(ranks)
+    if max(seen_ranks) != n_ranks - 1:  # distinct ranks: contiguous iff the largest is n-1
+        r = min(r for r in seen_ranks if r >= n_ranks)
+        where = _first_line(lines, len(lines) + 1, lambda f: f[1].isdigit() and int(f[1]) == r)
+        raise UsageError(f"{path}: ranks are not the contiguous range 0..{n_ranks - 1}: line {where} "
+                         f"has rank {r}; {damaged}.")
+    lacking = [b for b in range(256) if bytes([b]) not in ranks]
+    if lacking:
+        shown = ", ".join(f"0x{b:02x}" for b in lacking[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8
+                                                             else "")
+        raise UsageError(f"{path}: {len(lacking)} single bytes ({shown}) are not tokens; a byte-level BPE "
+                         f"vocabulary needs all 256, or some text cannot be encoded. {damaged[0].upper()}"
+                         f"{damaged[1:]}.")
     return ranks
 
 
@@ -110,7 +158,7 @@ class Tokenizer:
         d = Path(model_dir)
         self.dir = d
         path = d / TOKENIZER_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UsageError(f"{path}: no {TOKENIZER_FILE} in the model folder; a text prompt needs the tokenizer "
                              "(or pass token ids with --ids).")
         ranks = read_ranks(path)
@@ -118,17 +166,25 @@ class Tokenizer:
         names: dict[int, str] = {}
         self.config: dict = {}
         cfg_path = d / TOKENIZER_CONFIG
-        if cfg_path.is_file():
-            tc = read_json_object(cfg_path)
+        if os.path.lexists(cfg_path):  # present but not a file (a directory, a broken link) is refused
+            tc = read_json_file(cfg_path, error=UsageError, hint="Fix it or restore the release's file.")
+            if not isinstance(tc, dict):
+                raise UsageError(f"{cfg_path}: tokenizer_config.json must hold a JSON object, not {json_kind(tc)}. "
+                                 "Fix it or restore the release's file.")
             self.config = tc
-            for k, v in (tc.get("added_tokens_decoder") or {}).items():
-                try:
-                    i = int(k)
-                except ValueError:
-                    raise UsageError(f"{cfg_path}: added_tokens_decoder key {k!r} is not a token id.") from None
+            atd = tc.get("added_tokens_decoder")
+            if atd is not None and not isinstance(atd, dict):
+                raise UsageError(f"{cfg_path}: `added_tokens_decoder` must be an object (token id -> "
+                                 f"{{\"content\": name, ...}}), got {json_kind(atd)}.")
+            for k, v in (atd or {}).items():
+                if not _TOKEN_ID_RE.fullmatch(k):
+                    raise UsageError(f"{cfg_path}: `added_tokens_decoder` key {short_repr(k)} is not a token id "
+                                     "(a non-negative decimal integer).")
+                i = int(k)
                 name = v.get("content") if isinstance(v, dict) else v
                 if not isinstance(name, str) or not name:
-                    raise UsageError(f"{cfg_path}: added token {i} has no content string.")
+                    raise UsageError(f"{cfg_path}: `added_tokens_decoder.{k}` has no `content` string (it must be "
+                                     f"an object like {{\"content\": \"[EOS]\"}}), got {short_repr(v)}.")
                 if not n_base <= i < n_base + NUM_RESERVED:
                     raise UsageError(
                         f"{cfg_path}: added token {i} ({name!r}) is outside the special range "
@@ -142,8 +198,12 @@ class Tokenizer:
                 raise UsageError(f"{cfg_path}: the special token name {name!r} is given to both "
                                  f"{specials[name]} and {i}.")
             specials[name] = i
-        self.enc = tiktoken.Encoding(name=f"kimi:{d.name}", pat_str=PAT_STR, mergeable_ranks=ranks,
-                                     special_tokens=specials)
+        try:
+            self.enc = tiktoken.Encoding(name=f"kimi:{d.name}", pat_str=PAT_STR, mergeable_ranks=ranks,
+                                         special_tokens=specials)
+        except ValueError as e:
+            raise UsageError(
+                f"{path}: tiktoken refuses this vocabulary ({e}); the tokenizer files are damaged.") from None
         self.n_base = n_base
         self.special_ids = specials
         self.id_to_special = {v: k for k, v in specials.items()}
@@ -219,14 +279,22 @@ class Tokenizer:
             out += self.encode(text, allow_special=allow_special)
         return out
 
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the tokenizer's vocabulary (0..{self.vocab_size - 1}, "
+                             f"from {self.dir / TOKENIZER_FILE}); the tokenizer and config.json do not belong "
+                             "together.")
+        return ids
+
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return self.enc.decode_bytes([int(t) for t in ids])
+        return self.enc.decode_bytes(self._check_ids([int(t) for t in ids]))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
-        return self.enc.decode_single_token_bytes(int(token))
+        return self.enc.decode_single_token_bytes(self._check_ids([int(token)])[0])
 
 
 class StreamDecoder:

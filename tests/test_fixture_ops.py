@@ -15,7 +15,7 @@ from k3.model.kda import KDAState, kda_decay, kda_layer, kda_recurrent, kda_chun
 from k3.model.mla import MLAState, mla_layer
 from k3.model.moe import moe_block, route
 from k3.model.ops import attn_res, rms_norm, short_conv, situ_glu
-from k3.model.stack import Model
+from k3.model.stack import InferenceState, Model
 from k3.model.weights import DictWeights
 
 from k3fixtures import arr, layer_name, manifest, op, tiny_model
@@ -194,7 +194,9 @@ def test_decoder_layer_with_attn_res(cfg, name):
     bank_in = arr(f["block_residual_in"])
     bank = [bank_in[:, j] for j in range(bank_in.shape[1])]
     st = MLAState() if f["is_mla"] else KDAState()
-    P = model.attn_res_layer(i, w, bank, arr(f["in"])[0], st)
+    x = arr(f["in"])[0]
+    seq = InferenceState([None] * i + [st], [])  # one sequence; the layer uses its layer-i state
+    P = model.attn_res_layer(i, w, bank, x, [seq], [0, x.shape[0]])
     close(P, arr(f["out"])[0])
     bank_out = arr(f["block_residual_out"])
     assert len(bank) == bank_out.shape[1]

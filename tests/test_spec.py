@@ -182,3 +182,53 @@ def _cfg_index(m):
     from k3.checkpoint.safetensors import CheckpointIndex
     from k3.config import load_config
     return load_config(m), CheckpointIndex.open(m)
+
+
+# ---------------------------------------------------------------- exact speculative sampling
+def _chi2_p(counts, probs, n):
+    """p-value of Pearson's chi-square test of `counts` against `probs` (scipy-free)."""
+    import math
+    stat = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+    k = sum(1 for p in probs if p > 0) - 1
+    # Wilson-Hilferty approximation of the chi-square tail
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("top_p, draft", [(1.0, 2), (1.0, 0), (0.8, 5), (0.8, 1)])
+def test_speculative_sampling_keeps_the_distribution(top_p, draft):
+    """The first token a verification emits is distributed as plain sampling's, whether
+    the draft is likely, unlikely, or outside the top-p set (seeded: not flaky)."""
+    from k3.sampling import Sampler
+
+    logits = torch.tensor([[2.0, 1.2, 0.9, 0.3, -0.5, -1.0], [0.1, 0.2, 0.3, 2.0, 0.0, -1.0]])
+    plain = Sampler(1.0, top_p, 0, seed=1)
+    order, w, c = plain._dist(logits[0])
+    p = [0.0] * 6
+    for t, wt in zip(order, w):
+        p[int(t)] = wt / c[-1]
+    n = 20000
+    spec = Sampler(1.0, top_p, 0, seed=2)
+    first = [0] * 6
+    kept = 0
+    for _ in range(n):
+        toks, k = spec.verify(logits, [draft])
+        first[toks[0]] += 1
+        kept += k
+        assert len(toks) == 1 + k and (k == 0 or toks[0] == draft)
+    assert _chi2_p(first, p, n) > 1e-4, (first, p)
+    assert abs(kept / n - p[draft]) < 0.02  # a draft is kept with its probability
+    ref = [0] * 6
+    for _ in range(n):
+        ref[plain(logits[0])] += 1
+    assert _chi2_p(ref, p, n) > 1e-4  # the reference sampler itself, for scale
+
+
+def test_chat_with_spec_answers_as_without(tmp_path):
+    d = synthesize(tmp_path / "m", preset="tiny", arch="k3", seed=6)  # K3: a chat format ships with it
+    with open_engine(d, spec=4, max_context=1024) as eng:
+        a = eng.chat(max_tokens=12)
+        b = eng.chat(max_tokens=12, spec=4)
+        for q in ("Hello there, hello there, hello there!", "Again: hello there, hello there."):
+            assert a.send(q).tokens == b.send(q).tokens
+        assert a.seq == b.seq

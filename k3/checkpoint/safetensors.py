@@ -16,12 +16,12 @@ whose message names the file and, where there is one, the tensor.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
+from ..fsutil import JSONProblem, key_name, loads_json, path_problem
 from k3.errors import CheckpointError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "ShardHeader",
     "TensorInfo",
     "read_header",
+    "read_index",
     "read_shard_header",
 ]
 
@@ -59,6 +60,16 @@ _DTYPE_CANON: dict[str, str] = {k: k for k in DTYPE_SIZES}
 
 #: Same limit as the safetensors library: a header above this is refused as corrupt.
 MAX_HEADER_BYTES = 100_000_000
+
+#: Most dimensions a tensor may have (numpy's and torch's own limit is 64; K3's
+#: tensors have at most 4). Bounds the work of checking a damaged shape.
+MAX_RANK = 64
+#: Largest single dimension accepted (2**53: beyond any file; keeps sizes exact in a
+#: float64 and the product of a damaged shape cheap to check).
+MAX_DIM = 1 << 53
+
+#: K3's index (~500k tensors) is ~50 MB; anything far larger is not an index.
+MAX_INDEX_BYTES = 1 << 30
 
 #: Tensors of the multimodal parts; the text engine never indexes them.
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -115,23 +126,6 @@ class ShardHeader:
     tensors: dict[str, TensorInfo]
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _pairs_hook(pairs: list[tuple[str, object]]) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return d
-
-
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
     """Up to n bytes at offset (fewer only at end of file), continuing after short reads."""
     chunks = []
@@ -154,16 +148,28 @@ def _is_int(v: object) -> bool:
     return type(v) is int  # excludes bool (JSON true/false) and floats
 
 
+def _short(v: object, limit: int = 80) -> str:
+    """repr cut short: a damaged header can hold huge values."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
 def read_shard_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and validate one shard header; see :func:`read_header`."""
     apath = os.path.abspath(os.fspath(path))
-    try:
-        fd = os.open(apath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+    why = path_problem(apath)
+    if why == "does not exist":
         raise CheckpointError(
             f"Checkpoint file {apath} does not exist. The download is incomplete or the "
             f"path is wrong; download the missing file or point k3 at the right directory."
-        ) from None
+        )
+    if why is not None:
+        raise CheckpointError(
+            f"Checkpoint file {apath} {why}. Replace it with the downloaded shard file."
+        )
+    try:
+        # O_NONBLOCK: should the path have become a FIFO since the check, open does not hang.
+        fd = os.open(apath, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise CheckpointError(
             f"Cannot open checkpoint file {apath}: {e.strerror or e}. Check the path and "
@@ -218,10 +224,14 @@ def _diagnose(
     dtype, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise _bad(
-            apath, f"dtype {dtype!r} is not a known safetensors dtype ({', '.join(DTYPE_SIZES)})", name
+            apath, f"dtype {_short(dtype)} is not a known safetensors dtype ({', '.join(DTYPE_SIZES)})", name
         )
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise _bad(apath, f"shape {shape!r} is not a list of non-negative integers", name)
+        raise _bad(apath, f"shape {_short(shape)} is not a list of non-negative integers", name)
+    if len(shape) > MAX_RANK:
+        raise _bad(apath, f"shape has {len(shape)} dimensions, more than the {MAX_RANK} any tensor can have", name)
+    if any(d > MAX_DIM for d in shape):
+        raise _bad(apath, f"shape {_short(shape)} has a dimension above 2**53, larger than any file", name)
     if (
         not isinstance(offs, list)
         or len(offs) != 2
@@ -232,7 +242,7 @@ def _diagnose(
     ):
         raise _bad(
             apath,
-            f"data_offsets {offs!r} is not a pair [begin, end] of integers with 0 <= begin <= end",
+            f"data_offsets {_short(offs)} is not a pair [begin, end] of integers with 0 <= begin <= end",
             name,
         )
     begin, end = offs
@@ -260,20 +270,14 @@ def _diagnose(
 
 def _parse_header(apath: str, file_size: int, hlen: int, raw: bytes) -> ShardHeader:
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _bad(apath, f"its JSON header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        hdr = json.loads(text, object_pairs_hook=_pairs_hook)
-    except _DuplicateKey as e:
+        hdr = loads_json(raw)
+    except JSONProblem as e:
+        dup = e.kind == "duplicate"  # a tensor name given twice (or a field of an entry)
         raise _bad(
             apath,
-            f"its JSON header names {e.key!r} twice (duplicate tensor name or duplicate "
-            f"field), so which entry is meant is ambiguous",
-            tensor=e.key,
+            f"its header {e.problem}" + (" (duplicate tensor name or duplicate field)" if dup else ""),
+            tensor=e.field if dup else None,
         ) from None
-    except ValueError as e:  # json.JSONDecodeError, also RecursionError-free
-        raise _bad(apath, f"its header is not valid JSON ({e})") from None
     if not isinstance(hdr, dict):
         raise _bad(apath, f"its JSON header is a {type(hdr).__name__}, not an object")
 
@@ -300,10 +304,11 @@ def _parse_header(apath: str, file_size: int, hlen: int, raw: bytes) -> ShardHea
             numel = sizes[dtype]  # starts at itemsize
         except (TypeError, KeyError, ValueError):
             _diagnose(apath, name, ent, data_len)
-        if type(shape) is not list or type(begin) is not int or type(end) is not int or begin < 0:
+        if (type(shape) is not list or len(shape) > MAX_RANK or type(begin) is not int
+                or type(end) is not int or begin < 0):
             _diagnose(apath, name, ent, data_len)
         for d in shape:
-            if type(d) is not int or d < 0:
+            if type(d) is not int or d < 0 or d > MAX_DIM:
                 _diagnose(apath, name, ent, data_len)
             numel *= d
         if end - begin != numel or end > data_len:
@@ -344,6 +349,69 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     return read_shard_header(path).tensors
 
 
+def read_index(index_path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
+    """(weight_map, metadata) of a ``model.safetensors.index.json``, strictly: the file
+    must be a regular file holding a JSON object whose ``weight_map`` is a non-empty
+    object mapping each tensor name to a plain shard file name (a string naming a file
+    in the same directory). Anything else is a CheckpointError naming the file (and the
+    tensor, where one is at fault). ``metadata`` is None unless it is an object."""
+    index_path = os.fspath(index_path)
+    redo = "Re-download the index file."
+    why = path_problem(index_path)
+    if why is not None:
+        raise CheckpointError(f"Refusing checkpoint index {index_path}: it {why}. {redo}")
+    try:
+        with open(index_path, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot read checkpoint index {index_path}: {e.strerror or e}. Check its "
+            f"permissions or re-download it."
+        ) from None
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CheckpointError(
+            f"Refusing checkpoint index {index_path}: it is larger than {MAX_INDEX_BYTES >> 20} MiB, "
+            f"far more than an index of even K3's 500k tensors holds. {redo}"
+        )
+    try:
+        idx = loads_json(raw)
+    except JSONProblem as e:
+        extra = " (a tensor name given twice: the shard holding it is ambiguous)" if e.kind == "duplicate" else ""
+        raise CheckpointError(f"Refusing checkpoint index {index_path}: it {e.problem}{extra}. {redo}") from None
+    if not isinstance(idx, dict):
+        raise CheckpointError(
+            f"Refusing checkpoint index {index_path}: it holds a JSON {type(idx).__name__}, not an object "
+            f"with a 'weight_map'. {redo}"
+        )
+    wm = idx.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        what = ("is missing" if wm is None else "is empty" if isinstance(wm, dict)
+                else f"is a JSON {type(wm).__name__}, not an object")
+        raise CheckpointError(
+            f"Refusing checkpoint index {index_path}: its 'weight_map' {what}; it must be a non-empty "
+            f"object (tensor name -> shard file). {redo}"
+        )
+    ok: set[str] = set()  # shard names already checked (K3: ~500k entries, ~100 shards)
+    for name, shard in wm.items():
+        if type(shard) is str and shard in ok:
+            continue
+        if (
+            not isinstance(shard, str)
+            or not shard
+            or shard != os.path.basename(shard)
+            or shard in (".", "..")
+            or "\0" in shard
+        ):
+            raise CheckpointError(
+                f"Refusing checkpoint index {index_path}: tensor {_short(name)} is mapped to "
+                f"{_short(shard)}, which is not a plain file name in the checkpoint "
+                f"directory. {redo}"
+            )
+        ok.add(shard)
+    meta = idx.get("metadata")
+    return wm, meta if isinstance(meta, dict) else None
+
+
 def _ignored(name: str) -> bool:
     return name.startswith(IGNORED_PREFIXES)
 
@@ -353,6 +421,32 @@ def _list_names(names: list[str], limit: int = 5) -> str:
     if len(names) > limit:
         shown += f" and {len(names) - limit} more"
     return shown
+
+
+def _check_shard_files(d: str, shards: list[str], named: str) -> None:
+    """Refuse, in one message, shard names that are not regular files: missing ones
+    (a partial download) and ones that are something else (a directory, a broken
+    symbolic link, a link loop, a FIFO), each said as what it is."""
+    found = [(s, path_problem(os.path.join(d, s))) for s in shards]
+    missing = [s for s, why in found if why == "does not exist"]
+    odd = [(s, why) for s, why in found if why is not None and why != "does not exist"]
+    if odd:
+        shown = "; ".join(f"{key_name(s)} {why}" for s, why in odd[:10])
+        if len(odd) > 10:
+            shown += f"; and {len(odd) - 10} more"
+        also = f" ({len(missing)} more are missing: {_list_names(missing, 10)})" if missing else ""
+        raise CheckpointError(
+            f"The checkpoint in {d} is not usable: {len(odd)} of the {len(shards)} shard files "
+            f"{named} are not regular files: {shown}{also}. Replace each with the downloaded "
+            f"shard file."
+        )
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint in {d} is incomplete: {len(missing)} of the "
+            f"{len(shards)} shard files {named} are missing "
+            f"({_list_names(missing, 10)}). The download is incomplete; download the "
+            f"missing files (e.g. re-run the download command, which resumes)."
+        )
 
 
 class CheckpointIndex:
@@ -392,8 +486,9 @@ class CheckpointIndex:
         """
         d = os.path.abspath(os.fspath(model_dir))
         if not os.path.isdir(d):
+            why = path_problem(d) or "is a file, not a directory"
             raise CheckpointError(
-                f"Checkpoint directory {d} does not exist or is not a directory. Pass the "
+                f"Checkpoint directory {d} {why}. Pass the "
                 f"directory that holds the model's *.safetensors files."
             )
         index_path = os.path.join(d, INDEX_NAME)
@@ -402,7 +497,7 @@ class CheckpointIndex:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            if os.path.exists(index_path):
+            if os.path.lexists(index_path):  # a broken link is reported, not skipped
                 return cls._open_indexed(d, index_path)
             return cls._open_glob(d)
         finally:
@@ -411,59 +506,16 @@ class CheckpointIndex:
 
     @classmethod
     def _open_indexed(cls, d: str, index_path: str) -> "CheckpointIndex":
-        try:
-            with open(index_path, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise CheckpointError(
-                f"Cannot read checkpoint index {index_path}: {e.strerror or e}. Check its "
-                f"permissions or re-download it."
-            ) from None
-        try:
-            idx = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs_hook)
-        except _DuplicateKey as e:
-            raise CheckpointError(
-                f"Refusing checkpoint index {index_path}: it names {e.key!r} twice, so the "
-                f"shard holding that tensor is ambiguous. Re-download the index file."
-            ) from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"Refusing checkpoint index {index_path}: it is not valid JSON ({e}). "
-                f"Re-download the index file."
-            ) from None
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(
-                f"Refusing checkpoint index {index_path}: it has no non-empty 'weight_map' "
-                f"object (tensor name -> shard file). Re-download the index file."
-            )
+        wm, meta = read_index(index_path)
         by_shard: dict[str, list[str]] = {}
         for name, shard in wm.items():
             names = by_shard.get(shard)
             if names is None:
-                if (
-                    not isinstance(shard, str)
-                    or not shard
-                    or shard != os.path.basename(shard)
-                    or shard in (".", "..")
-                ):
-                    raise CheckpointError(
-                        f"Refusing checkpoint index {index_path}: tensor {name!r} is mapped to "
-                        f"{shard!r}, which is not a plain file name in the checkpoint "
-                        f"directory. Re-download the index file."
-                    )
                 names = by_shard[shard] = []
             if not name.startswith(IGNORED_PREFIXES):
                 names.append(name)
         needed = [s for s, names in by_shard.items() if names]
-        missing = [s for s in sorted(needed) if not os.path.isfile(os.path.join(d, s))]
-        if missing:
-            raise CheckpointError(
-                f"The checkpoint in {d} is incomplete: {len(missing)} of the "
-                f"{len(needed)} shard files named by {INDEX_NAME} are missing "
-                f"({_list_names(missing, 10)}). The download is incomplete; download the "
-                f"missing files (e.g. re-run the download command, which resumes)."
-            )
+        _check_shard_files(d, sorted(needed), f"named by {INDEX_NAME}")
         headers: dict[str, ShardHeader] = {}
         tensors: dict[str, TensorInfo] = {}
         for shard in sorted(needed):
@@ -480,14 +532,17 @@ class CheckpointIndex:
                     f"version; re-download both."
                 )
             tensors.update([(n, infos[n]) for n in names])
-        meta = idx.get("metadata") if isinstance(idx.get("metadata"), dict) else None
         return cls(d, tensors, headers, meta)
 
     @classmethod
     def _open_glob(cls, d: str) -> "CheckpointIndex":
-        files = sorted(
-            f for f in os.listdir(d) if f.endswith(".safetensors") and os.path.isfile(os.path.join(d, f))
-        )
+        try:
+            listed = os.listdir(d)
+        except OSError as e:
+            raise CheckpointError(f"Cannot list checkpoint directory {d}: {e.strerror or e}.") from None
+        files = sorted(f for f in listed if f.endswith(".safetensors"))
+        # a directory, broken link or link loop named *.safetensors is reported as what it is
+        _check_shard_files(d, files, "in the directory")
         if not files:
             raise CheckpointError(
                 f"No checkpoint found in {d}: there is neither {INDEX_NAME} nor any "

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, K3Error, UsageError
-from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir,
-                     check_output_path, check_text, sampling_from_args)
+from .common import (add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
+                     check_model_dir, check_output_path, check_text, sampling_from_args, spec_corpus_from_args)
 
 HELP = "talk to the model (interactive, streaming, state kept between turns)"
 DESCRIPTION = "Interactive chat. Each turn reads only the new tokens on top of the carried KDA/KV state."
@@ -217,6 +217,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("auto", "xtml", "jinja"), default="auto",
                    help="chat format: K3 XTML or the folder's Jinja chat_template (default: by model)")
     add_model_args(p)
+    add_spec_args(p)
     add_sampling_args(p)
     add_budget_args(p)
 
@@ -271,13 +272,14 @@ def run(args) -> int:
     t0 = time.perf_counter()
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
     eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config, max_context=args.max_context,
+               spec=args.spec,
                log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:")) else None))
     if not args.verbose:
         say(eng.plan.summary())
     try:
         err.write(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s, {threads} threads\n")
         session = ChatSession(eng, fmt, system=system, sampling=sampling, max_context=args.max_context,
-                              max_tokens=args.max_tokens)
+                              max_tokens=args.max_tokens, spec=args.spec, spec_corpus=spec_corpus_from_args(args, tok))
         if loaded is not None:
             session.resume_state(loaded)
             err.write(f"resuming from {args.load_state}: {len(loaded.state.ids)} positions in the state, "

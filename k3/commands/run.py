@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="prompt text (tokenized with the model folder's tiktoken.model)")
     src.add_argument("--prompt-file", help="file whose bytes are the prompt text (UTF-8)")
     src.add_argument("--ids", help="raw token ids, comma or space separated (no tokenizer needed)")
+    src.add_argument("--batch", metavar="FILE",
+                     help="decode many sequences together: a JSONL file, one {\"prompt\": TEXT} or {\"ids\": [...]} "
+                          "a line, each with an optional \"max_tokens\"; one JSON line per sequence on stdout")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="with --batch: the most sequences decoded together (default: all of them)")
     p.add_argument("--gen", "--max-tokens", dest="gen", type=int, default=8,
                    help=f"tokens to generate (default 8, at most {MAX_GEN})")
     mode = p.add_mutually_exclusive_group()
@@ -61,9 +66,9 @@ def parse_ids(text: str) -> list[int]:
 def _read_prompt(args) -> tuple[list[int], object]:
     """(prompt ids, tokenizer or None). Text is tokenized here, before the model is
     opened, because the memory plan needs the prompt's length."""
-    given = [x for x in (args.prompt, args.prompt_file, args.ids) if x is not None]
+    given = [x for x in (args.prompt, args.prompt_file, args.ids, args.batch) if x is not None]
     if len(given) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-file or --ids.")
+        raise UsageError("give exactly one of --prompt, --prompt-file, --ids or --batch.")
     if args.ids is not None:
         return parse_ids(args.ids), None
     from ..tokenizer import Tokenizer
@@ -145,6 +150,8 @@ def run(args) -> int:
     budgets = budgets_from_args(args)
     threads = set_threads(args.threads)
     cfg = load_config(args.config or args.model)
+    if args.batch is not None:
+        return _run_batch(args, cfg, budgets, threads, t_start)
     ids, tok = _read_prompt(args)
     ids = check_ids(cfg, ids)
     sampling = sampling_from_args(args, args.model)
@@ -353,3 +360,127 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
                       "seed": sampling.seed} if sampling is not None else "greedy"),
         "spec": spec,
     }
+
+
+# ---------------------------------------------------------------- --batch FILE
+def _read_jobs(args, cfg) -> tuple[list[dict], object]:
+    """The --batch file's sequences: [{"ids", "max_tokens"}], and the tokenizer if any was needed."""
+    from ..engine import check_ids
+    from ..fsutil import JSONProblem, loads_json
+    from ..tokenizer import Tokenizer
+
+    try:
+        lines = Path(args.batch).read_bytes().splitlines()
+    except OSError as e:
+        raise UsageError(f"--batch {args.batch}: cannot read it ({e.strerror or e}).") from None
+    jobs, tok = [], None
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"--batch {args.batch}, line {n}"
+        try:
+            job = loads_json(raw)
+        except JSONProblem as e:
+            raise UsageError(f"{where}: {e.problem}.") from None
+        if not isinstance(job, dict) or ("prompt" in job) == ("ids" in job):
+            raise UsageError(f"{where}: each line is an object with either \"prompt\" (text) or \"ids\" (a list of "
+                             "token ids), and optionally \"max_tokens\".")
+        n_gen = job.get("max_tokens", args.gen)
+        if not isinstance(n_gen, int) or isinstance(n_gen, bool) or not 0 <= n_gen <= MAX_GEN:
+            raise UsageError(f"{where}: max_tokens must be an integer in 0..{MAX_GEN}, got {n_gen!r}.")
+        if "prompt" in job:
+            if not isinstance(job["prompt"], str):
+                raise UsageError(f"{where}: \"prompt\" must be a string.")
+            tok = tok or Tokenizer(args.model)
+            ids = tok.encode(check_text(job["prompt"], where))
+        else:
+            ids = job["ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise UsageError(f"{where}: \"ids\" must be a list of integers.")
+        jobs.append({"ids": check_ids(cfg, ids), "max_tokens": n_gen})
+    if not jobs:
+        raise UsageError(f"--batch {args.batch}: no sequences in it.")
+    return jobs, tok
+
+
+def _run_batch(args, cfg, budgets, threads, t_start) -> int:
+    """Every sequence of the --batch file through one Batch: up to --max-batch at a time,
+    the next one joining as soon as one finishes."""
+    from ..engine import load
+    from ..fsutil import atomic_write_json
+    from ..memory.sysmem import peak_rss_bytes
+    from ..units import human
+
+    for flag, v in (("--save-state", args.save_state), ("--load-state", args.load_state),
+                    ("--dump-logits", args.dump_logits)):
+        if v:
+            raise UsageError(f"{flag} is for one sequence; it cannot be combined with --batch.")
+    jobs, tok = _read_jobs(args, cfg)
+    width = min(len(jobs), args.max_batch or len(jobs))
+    if width < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}.")
+    sampling = sampling_from_args(args, args.model)
+    err(cfg.summary())
+    eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
+               max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs), max_batch=width,
+               kv_cache=args.incremental, spec=args.spec,
+               log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "note:")) else None)
+    try:
+        if not args.verbose:
+            err(eng.plan.summary())
+        tok = tok or eng.tokenizer
+        corpus = spec_corpus_from_args(args, tok)
+        batch = eng.batch()
+        queue = list(enumerate(jobs))
+        reqs, steps = {}, {}
+        passes, sizes, busy = 0, [], 0.0
+        while queue or batch.active:
+            while queue and len(batch.active) < width:
+                i, job = queue.pop(0)
+                r = batch.add(job["ids"], max_tokens=job["max_tokens"], incremental=args.incremental,
+                              sampler=sampling.sampler(stream=i) if sampling is not None else None,
+                              spec=args.spec, spec_corpus=corpus)
+                reqs[r.id], steps[r.id] = i, []
+            if not batch.active:
+                continue
+            sizes.append(len(batch.active))
+            t0 = time.perf_counter()
+            for r, st in batch.step():
+                steps[r.id] += st
+            busy += time.perf_counter() - t0
+            passes += 1
+        st = eng.stats()
+        total = sum(len(v) for v in steps.values())
+        read = st["expert_cache"].get("bytes_read", 0) + st["trunk"].get("bytes_read", 0) + st["table_bytes_read"]
+        seqs = []
+        for rid, i in sorted(reqs.items(), key=lambda kv: kv[1]):
+            gen = [s.token for s in steps[rid]]
+            seqs.append({"index": i, "prompt_ids": jobs[i]["ids"], "generated_ids": gen,
+                         "text": tok.decode(gen) if tok is not None else None,
+                         "finish": steps[rid][-1].finish if steps[rid] else "length"})
+            if not args.json:
+                print(json.dumps({k: seqs[-1][k] for k in ("index", "text", "generated_ids")}, ensure_ascii=False),
+                      flush=True)
+        decode_s = busy  # the passes' wall time (each pass serves every sequence in it)
+        err("")
+        err(f"batch: {len(jobs)} sequences, {total} tokens in {passes} passes (up to {width} at a time, "
+            f"{sum(sizes) / len(sizes):.1f} on average) | aggregate {total / decode_s if decode_s else 0:.2f} tok/s | "
+            f"read {human(read)} ({human(read / total if total else 0)} per token) | peak RSS {human(peak_rss_bytes())}")
+        result = {"model": str(args.model), "sequences": seqs, "passes": passes, "max_batch": width,
+                  "mean_batch": sum(sizes) / len(sizes), "tokens": total, "seconds": decode_s,
+                  "tokens_per_second": total / decode_s if decode_s else 0.0, "bytes_read": read,
+                  "bytes_per_token": read / total if total else 0.0, "threads": threads,
+                  "memory_plan": eng.plan.as_dict(), "peak_rss_bytes": peak_rss_bytes(),
+                  "wall_seconds": time.perf_counter() - t_start, "mode": "incremental" if args.incremental
+                  else "full_recompute", "preset": eng.plan.preset, "expert_cache": st["expert_cache"],
+                  "trunk": st["trunk"], "sampling": "greedy" if sampling is None else {
+                      "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                      "seed": sampling.seed}}
+        if args.out:
+            atomic_write_json(args.out, result, what="the run result")
+            err(f"wrote {args.out}")
+        if args.json:
+            print(json.dumps(result))
+        return EXIT_OK
+    finally:
+        eng.close()

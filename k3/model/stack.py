@@ -117,22 +117,28 @@ class Model:
     def new_state(self, capacity: int = 0) -> InferenceState:
         return InferenceState.fresh(self.cfg, self.n_layers, capacity)
 
-    def _mixer(self, i, w, x, st):
-        if self.cfg.is_mla(i):
-            return mla_layer(self.cfg, w, x, st)
-        return kda_layer(self.cfg, w, x, st, self.kda_chunked)
+    def _mixer(self, i, w, x, states, cuts):
+        """The layer's KDA or MLA mixer, run on each sequence's rows with its own state
+        (the only part of a layer that mixes tokens); `cuts` are the row boundaries."""
+        def one(xs, st):
+            if self.cfg.is_mla(i):
+                return mla_layer(self.cfg, w, xs, st)
+            return kda_layer(self.cfg, w, xs, st, self.kda_chunked)
+        if len(states) == 1:
+            return one(x, states[0].layers[i])
+        return torch.cat([one(x[a:b], st.layers[i]) for st, a, b in zip(states, cuts, cuts[1:])])
 
     def _ffn(self, i, w, x, obs):
         if self.cfg.is_moe(i):
             return moe_block(self.cfg, w, x, i, self.provider, obs)
         return dense_mlp(self.cfg, w, x)
 
-    def plain_layer(self, i, w, h, st, obs=None):
+    def plain_layer(self, i, w, h, states, cuts, obs=None):
         eps = self.cfg.rms_norm_eps
-        h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), st)
+        h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts)
         return h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps), obs)
 
-    def attn_res_layer(self, i, w, bank: list, P, st, obs=None):
+    def attn_res_layer(self, i, w, bank: list, P, states, cuts, obs=None):
         """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
         returns the new partial block sum P."""
         eps = self.cfg.rms_norm_eps
@@ -140,17 +146,30 @@ class Model:
         if i % self.cfg.attn_res_block_size == 0:
             bank.append(P)
             P = None
-        a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), st)
+        a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), states, cuts)
         P = a if P is None else P + a
         y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
         return P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps), obs)
 
     def hidden(self, ids, state: InferenceState | None = None, observer: Observer | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
-        cfg = self.cfg
         if state is None:
             state = self.new_state()
-        h = _finite(self.provider.embed(ids), "the embedding rows of the input tokens")
+        return self.hidden_batch([(ids, state)], observer)
+
+    def hidden_batch(self, batch, observer: Observer | None = None) -> torch.Tensor:
+        """hidden() for several sequences at once: `batch` is [(ids, state)], the result
+        their final hidden states stacked in that order. Every op but the mixers works on
+        each token alone, so it runs once over all the rows (a layer's weights and its
+        routed experts are read once for the whole batch); the mixers run per sequence.
+        Each sequence's numbers are those it would get alone."""
+        cfg = self.cfg
+        states = [st for _, st in batch]
+        cuts = [0]
+        for ids, _ in batch:
+            cuts.append(cuts[-1] + len(ids))
+        all_ids = [t for ids, _ in batch for t in ids]
+        h = _finite(self.provider.embed(all_ids), "the embedding rows of the input tokens")
         eps = cfg.rms_norm_eps
         B = cfg.attn_res_block_size
         bank: list[torch.Tensor] = []
@@ -159,14 +178,15 @@ class Model:
             w = self.provider.layer(i)
             try:
                 if B is None:  # Kimi-Linear: plain pre-norm residual
-                    h = _finite(self.plain_layer(i, w, h, state.layers[i], observer), f"layer {i}")
+                    h = _finite(self.plain_layer(i, w, h, states, cuts, observer), f"layer {i}")
                 else:
-                    P = _finite(self.attn_res_layer(i, w, bank, P, state.layers[i], observer), f"layer {i}")
+                    P = _finite(self.attn_res_layer(i, w, bank, P, states, cuts, observer), f"layer {i}")
             finally:  # also on a failed read or an interrupt: a streamer must not keep it held
                 self.provider.release_layer(i)
             if observer is not None:
                 observer.on_layer(i)
-        state.ids.extend(int(t) for t in ids)
+        for ids, st in batch:
+            st.ids.extend(int(t) for t in ids)
         if B is None:
             return h
         g = self.provider.global_weight

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,6 +45,7 @@ from ...units import align_up
 from ...checkpoint.layout import CheckpointLayout
 from ...checkpoint.safetensors import CheckpointIndex, pread_exact
 from ...errors import CheckpointError
+from ...fsutil import read_json_file
 
 FORMAT = "k3-trunk"
 VERSION = 2
@@ -220,10 +220,7 @@ class PackedTrunk:
             raise CheckpointError(
                 f"{d}: no packed trunk here ({TRUNK_JSON} is missing). Create one with "
                 f"`k3 pack-trunk {model} {d}`.")
-        try:
-            meta = json.loads(Path(jpath).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{jpath} cannot be read as JSON ({e}). {redo}") from None
+        meta = read_json_file(jpath, what=TRUNK_JSON, error=CheckpointError, hint=redo)
 
         def stale(why: str) -> CheckpointError:
             return CheckpointError(

@@ -13,7 +13,6 @@ from scratch. Re-packing over a complete, matching trunk is a no-op unless ``for
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Callable
 from ...checkpoint.io import ALIGN, ShardFiles, aligned_empty
 from ...checkpoint.safetensors import CheckpointIndex
 from ...errors import CheckpointError, K3Error, ReadError, UsageError
-from ...fsutil import atomic_write_json, fsync_dir
+from ...fsutil import atomic_write_json, fsync_dir, read_json_file
 from ...units import gb
 from .format import (PARTIAL, PROGRESS, SAMPLE_BLOCK, TRUNK_BIN, TRUNK_JSON, PackedTrunk, TrunkLayer, _doc_sha,
                      _plan_doc, _plan_layout, sample_hash)
@@ -285,14 +284,14 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     start = 0
     if not restart and os.path.isfile(ppath) and os.path.isfile(prpath):
         try:
-            prog_doc = json.loads(Path(prpath).read_text(encoding="utf-8"))
+            prog_doc = read_json_file(prpath, error=K3Error)
             if prog_doc.get("plan_sha256") == sha:
                 k = int(prog_doc.get("layers_done", 0))
                 samples = prog_doc.get("samples", [])
                 if 0 < k <= len(layers) and len(samples) == k and \
                         os.path.getsize(ppath) >= layers[k - 1].file_off + layers[k - 1].nbytes:
                     start = k
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (K3Error, ValueError, TypeError, AttributeError):  # a damaged progress record: start over
             start = 0
     samples = prog_doc["samples"][:start] if start else []
     if start == 0:
