@@ -58,8 +58,9 @@ def cgroup_available() -> bool:
 
 def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
            ids: str = DEFAULT_IDS, gen: int = 4, tag: str = "run",
-           workdir: Path | None = None, timeout: float = 1800) -> dict:
-    """Run `k3 run MODEL --greedy --incremental --ids IDS --gen GEN FLAGS --out JSON`.
+           workdir: Path | None = None, timeout: float = 1800, raw: bool = False) -> dict:
+    """Run `k3 run MODEL --greedy --incremental --ids IDS --gen GEN FLAGS --out JSON`
+    (`raw`: `k3 run MODEL FLAGS --out JSON`, the flags say everything).
 
     Returns the JSON (plus `_rc`, `_wall`, `_log`, `_ceiling_gb`, `_load1`); on failure the
     dict holds only the underscore keys and `_error`.
@@ -69,7 +70,7 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
     stamp = f"{tag}-{os.getpid()}-{int(time.time() * 1000)}"
     out = workdir / f"{stamp}.json"
     log = workdir / f"{stamp}.log"
-    cmd = [K3, "run", model, "--greedy", "--incremental", "--ids", ids, "--gen", str(gen),
+    cmd = [K3, "run", model, *([] if raw else ["--greedy", "--incremental", "--ids", ids, "--gen", str(gen)]),
            *flags, "--out", str(out)]
     group = None
     if ceiling_gb is not None:
@@ -432,3 +433,18 @@ if __name__ == "__main__":
         sys.exit(bars_main(sys.argv[2:]))
     print("usage: python benchmarks/benchlib.py bars [--model M] [--trunk T] [--reps N] [--only abc] [--quick]")
     sys.exit(2)
+
+
+def cpu_flags() -> str:
+    """The CPU model and the SIMD flags the kernels care about, for every result row."""
+    name, flags = "unknown", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and name == "unknown":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{name} [{' '.join(simd) or 'no avx2'}]"

@@ -426,6 +426,9 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
         if avail and facts.total_bytes + 2 * GB < 0.8 * avail:
             lines.append(f"the whole model ({human(facts.total_bytes)}) fits in memory ({human(avail)} available): "
                          "it runs resident, no preset or packed trunk needed, nothing is read per token.")
+            if facts.sizes is not None and mem.get("planner") is not None:
+                from .memory.sysmem import baseline_bytes
+                _context_line(lines, rep, mem["planner"], facts.cfg, facts.sizes, avail, baseline_bytes(), None)
             return preset, True
     else:
         trunk, experts, tables = K3_TRUNK_BYTES, K3_EXPERT_BYTES_PER_TOKEN, 4.70e9
@@ -450,6 +453,7 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
                     lines.append(n)
             except K3Error as e:
                 lines.append(f"auto: {str(e).splitlines()[0]}")
+            _context_line(lines, rep, planner, cfg, sizes, avail, baseline_bytes(), "(packed)")
     streamed = max(0.0, trunk - pinned)
     per_token = streamed + experts
     lines.append(f"{what} at preset {preset}: {human(pinned)} of the trunk pinned, per token {human(streamed)} "
@@ -462,6 +466,19 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
                  f"{probe.random_rate / 1e6:,.0f} MB/s random at QD4); compute and cache hits move it")
     rep.data["estimate"] = {"preset": preset, "bytes_per_token": per_token, "seconds_per_token": s}
     return preset, False
+
+
+def _context_line(lines: list, rep: Report, planner, cfg, sizes, avail: int, baseline: int, trunk) -> None:
+    """The longest context an auto plan fits (trunk resident, or packed), in both KV forms."""
+    from .engine import max_piece
+    kw = dict(available=avail, baseline=baseline, incremental=True, prefill_tokens=max_piece())
+    budgets = planner.Budgets(preset="auto", trunk=trunk)
+    n = planner.longest_context(cfg, sizes, budgets, kv_latent=True, **kw)
+    n_exp = planner.longest_context(cfg, sizes, budgets, kv_latent=False, **kw)
+    per = planner.kv_bytes_per_position(cfg)
+    lines.append(f"longest context that fits (auto plan, {'packed' if trunk else 'resident'} trunk): {n:,} positions with the latent KV cache "
+                 f"({human(per)} a position), {n_exp:,} with --kv expanded")
+    rep.data["longest_context"] = {"latent": n, "expanded": n_exp, "kv_bytes_per_position": per}
 
 
 def _k3_sizes(trunk: float, tables: float):

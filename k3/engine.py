@@ -38,18 +38,28 @@ DEFAULT_MAX_CONTEXT = 4096
 PREFILL_CHUNK = 256
 
 
-def max_piece() -> int:
+def max_piece(chunk: int = PREFILL_CHUNK) -> int:
     """The most tokens one forward pass reads (the plan sizes the activations for it)."""
     from .model.kda import CHUNK_MIN_T
-    return PREFILL_CHUNK + CHUNK_MIN_T - 1
+    return chunk + CHUNK_MIN_T - 1
 
 
-def prefill_pieces(n: int) -> list[tuple[int, int]]:
-    """[a, b) pieces of a prefill of n tokens: PREFILL_CHUNK each, and a tail shorter than
+def check_prefill_chunk(chunk) -> int:
+    """A piece must be whole KDA chunks and long enough for the chunked KDA form, so that
+    every piece size gives the numbers of one pass."""
+    from .model.kda import CHUNK, CHUNK_MIN_T
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not CHUNK_MIN_T <= chunk <= 1 << 16 or chunk % CHUNK:
+        raise UsageError(f"--prefill-chunk must be a multiple of {CHUNK} (KDA's chunk) between {CHUNK_MIN_T} and "
+                         f"{1 << 16}, got {chunk!r}.")
+    return chunk
+
+
+def prefill_pieces(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """[a, b) pieces of a prefill of n tokens: ``chunk`` each, and a tail shorter than
     the chunked-KDA threshold joins the piece before it, so that every piece takes the
     KDA form, and the chunk boundaries, that one pass over all n tokens would."""
     from .model.kda import CHUNK_MIN_T
-    cuts = list(range(0, n, PREFILL_CHUNK)) + [n]
+    cuts = list(range(0, n, chunk)) + [n]
     if len(cuts) > 2 and cuts[-1] - cuts[-2] < CHUNK_MIN_T:
         del cuts[-2]
     return list(zip(cuts, cuts[1:]))
@@ -168,7 +178,7 @@ class Engine:
     when the folder has one. Use :func:`load` to make one; close it (or use ``with``)."""
 
     def __init__(self, cfg, model: Model, provider, plan: Plan, tokenizer, model_dir, *, max_context: int,
-                 load_seconds: float = 0.0, spec: int = 0, max_batch: int = 1):
+                 load_seconds: float = 0.0, spec: int = 0, max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK):
         self.cfg = cfg
         self.model = model
         self.provider = provider
@@ -179,6 +189,7 @@ class Engine:
         self.load_seconds = load_seconds
         self.spec = spec  # the most drafted tokens per pass the plan holds
         self.max_batch = max_batch  # the most sequences decoded together the plan holds
+        self.prefill_chunk = prefill_chunk  # tokens of a prompt one forward pass reads
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
 
     # ------------------------------------------------------------ conveniences
@@ -345,7 +356,7 @@ class Request:
     drafter: object = None
     emitted: int = 0
     passes: int = 0
-    finish: str | None = None  # "stop" or "length" once finished
+    finish: str | None = None  # "stop" or "length" once finished ("cancelled": taken out by Batch.remove)
     work: InferenceState | None = None  # full recompute: the re-read in progress
     drafts: list = field(default_factory=list)
     tokens: list = field(default_factory=list)  # emitted so far
@@ -411,6 +422,15 @@ class Batch:
         self.requests.append(req)
         return req
 
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the batch between steps (its client went away, or it is
+        done and need not be kept): it is read no more and its slot is free for the next
+        add(). An unfinished request ends as "cancelled"; its state stays as the last
+        step left it (every token in ``state.ids`` read, the rest never)."""
+        self.requests = [r for r in self.requests if r is not req]
+        if req.finish is None:
+            req.finish = "cancelled"
+
     def step(self) -> list[tuple[Request, list[Step]]]:
         """One forward pass over every active sequence; returns the Steps each emitted."""
         active = self.active
@@ -422,7 +442,10 @@ class Batch:
             if not r.incremental and not r.reading:  # full recompute: re-read the whole sequence
                 r.work, r.reading = eng.model.new_state(len(r.seq)), list(r.seq)
             st = r.state if r.incremental else r.work
-            piece = r.reading[:prefill_pieces(len(r.reading))[0][1]]
+            piece = r.reading[:prefill_pieces(len(r.reading), eng.prefill_chunk)[0][1]]
+            if self.observer is not None and (len(piece) < len(r.reading) or r.carry.get("fed")):
+                done = r.carry.get("fed", 0)  # a prompt read in several passes: where it is
+                self.observer.on_prefill(done, done + len(r.reading), len(piece))
             r.drafts = []
             if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
                 r.drafts = r.drafter.draft()[:r.max_tokens - r.emitted - 1]
@@ -528,7 +551,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
          cache_gb: float | None = None, trunk_ring: int = 2, ultra_low_memory: bool = False, io_threads: int = 4,
          budgets: Budgets | None = None, layers: int | None = None, threads: int | None = None, config=None,
          max_context: int = DEFAULT_MAX_CONTEXT, max_batch: int = 1, kv_cache: bool = True, trace: bool = False,
-         kda_chunked: bool | None = None, spec: int = 0, log=None, progress=None) -> Engine:
+         kda_chunked: bool | None = None, spec: int = 0, kv: str = "latent", prefill_chunk: int | None = None,
+         log=None, progress=None) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
     Budgets: ``preset`` (a preset name or ``auto``), ``trunk`` (a packed-trunk folder
@@ -536,7 +560,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     preset), ``trunk_ring``, ``ultra_low_memory`` (stream the model tables),
     ``io_threads``; or a whole :class:`~k3.memory.planner.Budgets` as ``budgets``.
     ``max_context``: the most positions one sequence holds, ``max_batch``: the most
-    sequences decoded together (the plan counts their KV caches and activations). ``layers`` runs only the
+    sequences decoded together (the plan counts their KV caches and activations). ``kv``:
+    the MLA KV cache form, "latent" (576 floats a position and layer for K3) or
+    "expanded" (per head, 53x more; see k3.model.mla). ``prefill_chunk``: the tokens of
+    a prompt one forward pass reads (a multiple of 16; the plan sizes the activations for
+    it). ``layers`` runs only the
     first layers (not the full model). ``threads`` sets the compute threads (default:
     all cores). ``spec``: the most tokens speculative decoding will draft per pass (the
     plan holds what rolling a pass back needs). ``log`` receives progress messages (the
@@ -579,9 +607,13 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     if int(max_batch) < 1:
         raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
+    if kv not in ("latent", "expanded"):
+        raise UsageError(f"--kv is latent or expanded, got {kv!r}.")
+    prefill_chunk = check_prefill_chunk(PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                         available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
-                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece() * int(max_batch), spec=spec)
+                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec,
+                        kv_latent=kv == "latent")
     for n in plan.notes:
         say(n)
     say(plan.render())
@@ -605,9 +637,10 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                     "Use the tokenizer files of this checkpoint.")
         except K3Error as e:  # token ids still work; text needs it, and says why not
             tokenizer, tok_error = None, e
-    model = Model(provider, n_layers=layers, kda_chunked=kda_chunked)
+    model = Model(provider, n_layers=layers, kda_chunked=kda_chunked, kv_latent=kv == "latent")
     eng = Engine(cfg, model, provider, plan, tokenizer, model_dir, max_context=int(max_context),
-                 load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch))
+                 load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch),
+                 prefill_chunk=prefill_chunk)
     eng.tokenizer_error = tok_error
     if provider.trunk is not None:
         say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")

@@ -12,6 +12,9 @@ written atomically (temporary name, fsync, rename). The header's `__metadata__`:
   positions           tokens already in the state (fed through the model)
   tokens              all tokens of the sequence, fed + pending
   sha256              hash of the data section (every tensor's bytes, in order)
+  kv_form             MLA KV cache form: "latent", "expanded" (the default when
+                      absent: files from before k3 0.2's latent cache), or "none"
+                      (the state binds no MLA layer)
   extra               JSON object for the front end (e.g. the chat messages)
   written_by          "k3 <version>"
 
@@ -20,7 +23,10 @@ Tensors (all fp32 except `ids`):
                                             (e.g. the last generated token, not yet fed)
   layers.{i}.conv_q/k/v      F32 [K-1, C]   KDA short-conv histories
   layers.{i}.S               F32 [H, dk, dv] KDA recurrent state
-  layers.{i}.k / .v          F32 [positions, H, *]  MLA KV cache (expanded per head)
+  layers.{i}.k / .v          F32 MLA KV cache: latent form (kv_form "latent") k = the
+                             normalised latents [positions, kv_lora_rank], v = the rope
+                             keys [positions, rope]; expanded form k [positions, H,
+                             nope+rope], v [positions, H, v_dim]
 Layers hold no tensors when positions == 0.
 
 Loading refuses, with the reason: a file that is not a k3 state file, another format
@@ -28,7 +34,8 @@ version, a state written by another model (fingerprint) or for another layer cou
 truncated or damaged file (size, shapes, checksum), a hand-edited header (a metadata
 value of the wrong type, a count that is not a decimal string, an `extra` that is not a
 JSON object, an entry whose dtype/shape/offsets do not match), and a state with more
-positions than the run's KV capacity (`max_positions`). Every refusal is a
+positions than the run's KV capacity (`max_positions`), and a KV cache form other than
+the run's (`--kv`). Every refusal is a
 StateFileError naming the file and the field; nothing is allocated before the header
 and the file size agree.
 """
@@ -87,7 +94,17 @@ def _kda_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return {"conv_q": (K - 1, H * D), "conv_k": (K - 1, H * D), "conv_v": (K - 1, H * D), "S": (H, D, D)}
 
 
-def _mla_shapes(cfg, positions: int) -> dict[str, tuple[int, ...]]:
+def _kv_form(state: InferenceState) -> str:
+    """The MLA KV cache form of a state's layers; "none" when it binds no MLA layer."""
+    forms = {ls.latent for ls in state.layers if isinstance(ls, MLAState)}
+    if len(forms) > 1:
+        raise ValueError("a state mixes latent and expanded MLA KV caches")
+    return "none" if not forms else "latent" if forms.pop() else "expanded"
+
+
+def _mla_shapes(cfg, positions: int, latent: bool) -> dict[str, tuple[int, ...]]:
+    if latent:
+        return {"k": (positions, cfg.kv_lora_rank), "v": (positions, cfg.qk_rope_head_dim)}
     H = cfg.mla_num_heads
     return {"k": (positions, H, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), "v": (positions, H, cfg.v_head_dim)}
 
@@ -144,6 +161,7 @@ def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), ex
         "positions": str(state.position),
         "tokens": str(len(ids)),
         "sha256": h.hexdigest(),
+        "kv_form": _kv_form(state),
         "extra": json.dumps(extra or {}, ensure_ascii=False),
         "written_by": f"k3 {__version__}",
     }
@@ -232,10 +250,12 @@ def _extra(path, meta: dict) -> dict:
     return extra
 
 
-def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None = None) -> LoadedState:
+def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None = None,
+               latent: bool = True) -> LoadedState:
     """Read a state file for this model. `max_positions` is the run's KV capacity
-    (refused when the state holds more tokens); `n_layers` the layers bound in this
-    run (default all). Everything read from the header is checked for its type and
+    (refused when the state holds more tokens; the loaded KV caches get room for that
+    many); `n_layers` the layers bound in this run (default all); `latent` the run's KV
+    cache form (a file of the other form is refused). Everything read from the header is checked for its type and
     range before it is used: a damaged or hand-edited file is a StateFileError naming
     the field, never another exception."""
     meta, entries, start, size = read_state_header(path)
@@ -278,13 +298,20 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
     if max_positions is not None and ntok > max_positions:
         raise _refuse(path, f"it holds {ntok} positions, more than this run's KV capacity of {max_positions} "
                             "positions. Raise the capacity (--gen / --max-context) or shorten the new prompt.")
+    form = meta.get("kv_form", "expanded")  # files from before the latent form hold the expanded one
+    if form not in ("latent", "expanded", "none"):
+        raise _refuse(path, f"its metadata field `kv_form` is {json_kind(form)}, not latent, expanded or none; the "
+                            "file is damaged.")
+    if form != "none" and (form == "latent") != latent:
+        raise _refuse(path, f"its MLA KV cache is in the {form} form and this run uses the "
+                            f"{'latent' if latent else 'expanded'} one; run with --kv {form}.")
 
     # expected tensors, in the order save_state writes them
     expect: list[tuple[str, str, tuple[int, ...]]] = [("ids", "I64", (ntok,))]
     for i in range(nl):
         if positions == 0:
             break
-        shapes = _mla_shapes(cfg, positions) if cfg.is_mla(i) else _kda_shapes(cfg)
+        shapes = _mla_shapes(cfg, positions, latent) if cfg.is_mla(i) else _kda_shapes(cfg)
         expect += [(f"layers.{i}.{k}", "F32", s) for k, s in shapes.items()]
     names = {e[0] for e in expect}
     extra_names = sorted(set(entries) - names)
@@ -350,7 +377,7 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise _refuse(path, f"it holds token id {bad[0]}, outside this model's vocabulary; the file is damaged.")
-    state = InferenceState.fresh(cfg, nl)
+    state = InferenceState.fresh(cfg, nl, max_positions or 0, latent)
     state.ids = ids[:positions]
     if positions:
         for i, ls in enumerate(state.layers):

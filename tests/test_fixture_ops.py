@@ -143,14 +143,16 @@ def _prefixed(f, prefix, strip):
             if k.startswith(strip) and isinstance(v, dict) and "data" in v}
 
 
-def test_mla(cfg):
+@pytest.mark.parametrize("latent", [True, False], ids=["latent-kv", "expanded-kv"])
+def test_mla(cfg, latent):
     f = op("mla")
     w = {"self_attn." + k[: -len("_weight")] + ".weight": arr(v) for k, v in f.items()
          if k.endswith("_weight")}
     x = arr(f["in"])[0]
     close(mla_layer(cfg, w, x, None), arr(f["out"])[0])
+    close(mla_layer(cfg, w, x, MLAState(latent=latent)), arr(f["out"])[0])
     # the same through a KV cache, token by token
-    st = MLAState()
+    st = MLAState(latent=latent)
     outs = [mla_layer(cfg, w, x[t:t + 1], st) for t in range(x.shape[0])]
     close(torch.cat(outs), arr(f["out"])[0])
 
@@ -184,8 +186,9 @@ def test_moe(cfg):
     close(moe_block(cfg, w, arr(f["in"])[0], 1, prov), arr(f["out"])[0])
 
 
+@pytest.mark.parametrize("latent", [True, False], ids=["latent-kv", "expanded-kv"])
 @pytest.mark.parametrize("name", ["layer_kda", "layer_mla"])
-def test_decoder_layer_with_attn_res(cfg, name):
+def test_decoder_layer_with_attn_res(cfg, name, latent):
     f = op(name)
     i = f["layer_idx"]
     assert cfg.is_mla(i) == f["is_mla"]
@@ -193,7 +196,7 @@ def test_decoder_layer_with_attn_res(cfg, name):
     model = Model(_OneLayer(cfg, i, w))
     bank_in = arr(f["block_residual_in"])
     bank = [bank_in[:, j] for j in range(bank_in.shape[1])]
-    st = MLAState() if f["is_mla"] else KDAState()
+    st = MLAState(latent=latent) if f["is_mla"] else KDAState()
     x = arr(f["in"])[0]
     seq = InferenceState([None] * i + [st], [])  # one sequence; the layer uses its layer-i state
     P = model.attn_res_layer(i, w, bank, x, [seq], [0, x.shape[0]])

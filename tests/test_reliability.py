@@ -125,6 +125,39 @@ def test_a_long_prompt_reads_in_pieces_like_one_pass(tiny):
         assert steps[0].fed == len(ids)
 
 
+def test_prefill_chunk_sizes_give_identical_logits(tiny):
+    """--prefill-chunk trades activation memory for passes; the numbers do not move."""
+    import torch
+
+    from k3.errors import UsageError
+
+    ids = [(5 * i + 1) % 1000 for i in range(300)]
+    got = []
+    for chunk in (32, 64, 256, 1024):
+        with open_engine(tiny, max_context=400, prefill_chunk=chunk) as eng:
+            buffers = dict((n, b) for n, b, _ in eng.plan.rows)["buffers"]
+            got.append((chunk, buffers, list(eng.decode(ids, max_tokens=2))))
+    for chunk, _, steps in got[1:]:
+        assert torch.equal(steps[0].logits, got[0][2][0].logits), chunk
+        assert [s.token for s in steps] == [s.token for s in got[0][2]]
+    assert got[0][1] < got[2][1]  # the plan sizes the activations for the chunk
+    # a prompt of several passes tells the observer where it is (k3 run's progress bar)
+    from k3.model.stack import Observer
+
+    class Pieces(Observer):
+        seen = []
+
+        def on_prefill(self, done, total, piece):
+            self.seen.append((done, total, piece))
+
+    with open_engine(tiny, max_context=400, prefill_chunk=64) as eng:
+        list(eng.decode(ids, max_tokens=2, observer=Pieces()))
+    assert Pieces.seen == [(0, 300, 64), (64, 300, 64), (128, 300, 64), (192, 300, 64), (256, 300, 44)]
+    for bad in (0, 16, 100, True, 1 << 20):
+        with pytest.raises(UsageError, match="--prefill-chunk must be a multiple of 16"):
+            open_engine(tiny, prefill_chunk=bad)
+
+
 def test_a_long_prompt_stays_within_its_plan(tiny, tmp_path):
     """Before attention was tiled and prefill read in pieces, a long prompt built several
     [heads, T, T] score matrices the plan did not count. Now the measured peak RSS stays

@@ -263,7 +263,8 @@ def run(args) -> int:
     loaded = None
     if args.load_state:
         from ..state import load_state
-        loaded = load_state(args.load_state, cfg, max_positions=args.max_context, n_layers=args.layers)
+        loaded = load_state(args.load_state, cfg, max_positions=args.max_context, n_layers=args.layers,
+                            latent=args.kv == "latent")
 
     err.write(cfg.summary() + "\n")
     if args.layers is not None:
@@ -272,7 +273,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
     eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config, max_context=args.max_context,
-               spec=args.spec,
+               spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
                log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:")) else None))
     if not args.verbose:
         say(eng.plan.summary())
@@ -297,7 +298,7 @@ def run(args) -> int:
                                                                                       else ")")
         err.write(f"chat format: {fmt.name}; thinking {think if fmt.name == 'k3-xtml' else 'by template'}; "
                   f"{sampling.describe() if sampling else 'greedy decoding'}\n")
-        kvp = kv_bytes_per_position(cfg, args.layers)
+        kvp = kv_bytes_per_position(cfg, args.layers, args.kv == "latent")
         err.write(f"context: up to {args.max_context} tokens (KV cache {kvp / 1e6:.2f} MB/position, "
                   f"{human(kvp * args.max_context)} when full); up to {args.max_tokens} tokens per answer\n")
         err.write(f"history: {history_path if history_path else 'off'}\n")

@@ -89,6 +89,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config.json to use instead of MODEL/config.json")
     p.add_argument("--layers", type=int, help="run only the first N layers (NOT the full model; for testing)")
     p.add_argument("--threads", type=int, help="compute threads (default: all available cores)")
+    p.add_argument("--kv", choices=("latent", "expanded"), default="latent",
+                   help="MLA KV cache form: latent (default; 576 floats a position and MLA layer for K3) or expanded "
+                        "(every head's keys and values, 53x more memory)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt tokens one forward pass reads (a multiple of 16; default 256, see docs/TUNING.md)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="print the whole memory plan, the load messages and (k3 run) a per-step table")
 

@@ -97,7 +97,7 @@ class LiveLine:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
-    def update(self, what: str, done: int, total: int) -> None:
+    def update(self, what: str, done: int, total: int, unit: str = "layers", detail: str = "") -> None:
         if not self.enabled:
             return
         dt = time.perf_counter() - self.t0
@@ -105,7 +105,7 @@ class LiveLine:
             return
         width = 24
         fill = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r  {what} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} layers {dt:.1f} s ")
+        sys.stderr.write(f"\r  {what} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {unit}{detail} {dt:.1f} s ")
         sys.stderr.flush()
         self.shown = True
 
@@ -121,10 +121,20 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 
     class PrefillProgress(Observer):
         active = True
+        piece = None  # (tokens read, prompt tokens, this pass's tokens) for a prompt of several passes
+
+        def on_prefill(self, done, total, piece):
+            self.piece = (done, total, piece)
 
         def on_layer(self, i):
-            if self.active:
+            if not self.active:
+                return
+            if self.piece is None:
                 line.update("prefill", i + 1, n_layers)
+            else:  # tokens done, counting this pass's layers as a fraction of its piece
+                done, total, piece = self.piece
+                line.update("prefill", done + piece * (i + 1) // n_layers, total, "tokens",
+                            f" (layer {i + 1}/{n_layers})")
 
     return PrefillProgress()
 
@@ -169,7 +179,8 @@ def run(args) -> int:
     loaded = None
     if args.load_state:
         from ..state import load_state
-        loaded = load_state(args.load_state, cfg, max_positions=None, n_layers=args.layers)
+        loaded = load_state(args.load_state, cfg, max_positions=None,
+                            n_layers=args.layers, latent=args.kv == "latent")
         info(f"resuming from {args.load_state}: {len(loaded.tokens)} prior positions, {len(ids)} new")
     prior_tokens = list(loaded.tokens) if loaded is not None else []
     tty = sys.stderr.isatty()
@@ -188,7 +199,7 @@ def run(args) -> int:
                          "incremental decoding (drop --full-recompute).")
     eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
                max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1, kv_cache=args.incremental,
-               trace=bool(args.dump_cache_trace), spec=args.spec, log=log,
+               trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk, log=log,
                progress=lambda i: line.update("loading", i + 1, n_layers))
     line.clear()
     if not verbose:
@@ -423,7 +434,7 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
     err(cfg.summary())
     eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
                max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs), max_batch=width,
-               kv_cache=args.incremental, spec=args.spec,
+               kv_cache=args.incremental, spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
                log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "note:")) else None)
     try:
         if not args.verbose:

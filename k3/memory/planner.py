@@ -21,6 +21,7 @@ GB here are decimal (1e9 bytes), as in the C engine's tables. Nothing here impor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import K3Error, UsageError
@@ -133,10 +134,14 @@ def recurrent_state_bytes(cfg, n_layers: int | None = None) -> int:
     return (H * D * D + 3 * H * D * (cfg.conv_kernel - 1)) * 4 * kda
 
 
-def kv_bytes_per_position(cfg, n_layers: int | None = None) -> int:
-    """Bytes of the MLA KV cache per position (expanded fp32 keys and values, as held)."""
+def kv_bytes_per_position(cfg, n_layers: int | None = None, latent: bool = True) -> int:
+    """Bytes of the MLA KV cache per position, fp32: the latent form holds the normalised
+    latent and the shared rope key per MLA layer, the expanded form every head's key and
+    value (k3.model.mla)."""
     n = cfg.num_hidden_layers if n_layers is None else n_layers
     mla = sum(1 for i in range(n) if cfg.is_mla(i))
+    if latent:
+        return mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     return mla * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4
 
 
@@ -433,6 +438,8 @@ class Plan:
     read_per_token: int
     rows: list[tuple[str, int, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    kv_positions: int = 0  # the positions the KV cache row holds (all sequences)
+    kv_per_position: int = 0
 
     @property
     def total(self) -> int:
@@ -468,12 +475,37 @@ class Plan:
     def check(self) -> None:
         if self.available and self.total > PLAN_FRACTION * self.available:
             short = self.total - PLAN_FRACTION * self.available
+            fits = ""
+            if self.kv_per_position:
+                n = self.kv_positions - math.ceil(short / self.kv_per_position)
+                fits = (f" With everything else as planned, the longest context that fits is about {n} positions "
+                        f"(the KV cache takes {human(self.kv_per_position)} a position)." if n > 0 else
+                        " Even an empty context does not fit with everything else as planned.")
             raise K3Error(
                 f"REFUSING TO START: this needs {human(self.total)} and the machine has {human(self.available)} "
-                f"available ({PLAN_FRACTION:.0%} of it may be planned), a shortfall of {human(short)}. Options: a "
+                f"available ({PLAN_FRACTION:.0%} of it may be planned), a shortfall of {human(short)}.{fits} Options: a "
                 f"smaller --cache-gb or --trunk-gb (with --trunk), --preset auto, a smaller preset (--preset laptop "
                 f"or ultra), --ultra-low-memory, fewer --layers, or a machine with more free memory.\n"
                 + self.render())
+
+
+def longest_context(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int, baseline: int, **kw) -> int:
+    """The most KV positions a plan for ``budgets`` fits (the other arguments as for
+    :func:`plan`, without ``tokens``); 0 when not even an empty context fits."""
+    def fits(n):
+        try:
+            plan(cfg, sizes, budgets, tokens=n, available=available, baseline=baseline, **kw).check()
+            return True
+        except K3Error:
+            return False
+    if not fits(0):
+        return 0
+    per = max(1, kv_bytes_per_position(cfg, kw.get("n_layers"), kw.get("kv_latent", True)))
+    lo, hi = 0, int(available) // per + 1  # fits(lo); not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def spec_bytes(cfg, n_layers: int, spec: int) -> int:
@@ -488,20 +520,22 @@ def spec_bytes(cfg, n_layers: int, spec: int) -> int:
 
 
 def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
-                prefill_tokens: int, spec: int = 0) -> list:
+                prefill_tokens: int, spec: int = 0, kv_latent: bool = True) -> list:
     rows = [("recurrent state", recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32")]
-    per = kv_bytes_per_position(cfg, n_layers)
+    per = kv_bytes_per_position(cfg, n_layers, kv_latent)
     kv = tokens * per
     if kv > 0.9 * available:
         n_mla = sum(1 for i in range(n_layers) if cfg.is_mla(i))
         raise UsageError(
             f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(available)} "
-            f"is available. This is a memory limit, not a bug: for each of the {n_mla} MLA layers, the "
-            f"expanded fp32 keys and values of every position are held ({human(per)} per position), by "
+            f"is available (the longest context that fits is about {int(0.9 * available) // per} positions). "
+            f"This is a memory limit, not a bug: for each of the {n_mla} MLA layers, the "
+            f"{'latent' if kv_latent else 'expanded'} fp32 cache of every position is held ({human(per)} per "
+            "position), by "
             "incremental decoding for the whole sequence and by full recompute during each step. Use a shorter "
             "prompt, fewer tokens or a smaller context.")
-    rows.append(("KV cache", kv, f"{tokens} positions x {human(per)}"
-                 + ("" if incremental else " (rebuilt by every full-recompute step)")))
+    rows.append(("KV cache", kv, f"{tokens} positions x {human(per)} ({'latent' if kv_latent else 'expanded'})"
+                 + ("" if incremental else ", rebuilt by every full-recompute step")))
     rows.append(("buffers", activation_bytes(cfg, min(tokens, prefill_tokens)),
                  f"activations of {min(tokens, prefill_tokens)} tokens (prefill runs in pieces), attention "
                  "tiles, logits"))
@@ -529,7 +563,7 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
          baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
-         spec: int = 0) -> Plan:
+         spec: int = 0, kv_latent: bool = True) -> Plan:
     """The memory plan for ``budgets`` on a model of ``sizes``: a KV cache for ``tokens``
     positions (incremental decoding holds it; full recompute rebuilds it every step), and
     activations for the longest piece one forward pass reads (``prefill_tokens``). Budgets the user did not fix are chosen
@@ -541,7 +575,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
-    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec)
+    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec, kv_latent)
     room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
     table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
     floor_cache = (sizes.top_k + 1) * sizes.slot_bytes
@@ -619,7 +653,8 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         rows.append(("embed + lm_head", sizes.table_bytes, "resident, as stored"))
     rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
     rows += fixed
-    p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes)
+    p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes,
+             kv_positions=tokens, kv_per_position=kv_bytes_per_position(cfg, n_layers, kv_latent))
     if preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom"):
         why = []
         if budgets.stream_tables is None:

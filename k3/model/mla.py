@@ -1,9 +1,19 @@
 """Gated Multi-head Latent Attention without positional encoding (NoPE).
 
 The 64 "rope" dims of the key are one vector shared by all heads and never rotated;
-position enters the network only through KDA. The KV cache holds the expanded
-per-head keys and values in fp32 (like the C engine), so a cached position gives
-exactly the numbers a full recompute would produce for it.
+position enters the network only through KDA (docs/MODEL.md §3.4).
+
+Two forms of the KV cache, chosen per state (``MLAState.latent``):
+
+* expanded: per position and head the key [nope | rope] and value, fp32, as the C
+  engine holds them (K3: 96 x 320 floats per MLA layer);
+* latent (the default): per position the normalised latent ``c`` (kv_lora_rank) and the
+  shared rope key (qk_rope_head_dim) only, 576 floats per MLA layer for K3, 53x less.
+  Attention runs in the latent space: kv_b_proj's key half is absorbed into the query
+  (q_lat = W_k^T q_nope per head) and its value half applied after the weighted sum
+  (o = W_v (sum_s p_s c_s)), the same attention in exact arithmetic.
+
+A run uses one form for prefill, decode and full recompute alike.
 """
 
 from __future__ import annotations
@@ -13,56 +23,74 @@ import torch
 from ..config import MLA_NORM_EPS
 from .ops import linear, rms_norm, sigmoid
 
-
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
 K_TILE = 2048
 #: the score tile's size target: query rows per tile = SCORE_TILE_BYTES / (heads x K_TILE x 4)
 SCORE_TILE_BYTES = 16 << 20
 
 
-def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
-    """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
-    k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv].
-
-    Tiled over queries and keys with a running (online) softmax, so the working set is a
-    few [H, q_tile, K_TILE] tiles whatever the length (a 14,000-token prompt would need
-    several [H, T, T] score matrices otherwise). Key tiles start at fixed positions, so a
-    query's numbers do not depend on how many queries share the call."""
-    T, H, dk = q.shape
-    out = q.new_empty(T, H, v.shape[-1])
+def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention for queries at absolute positions past..past+T-1 over keys
+    0..past+T-1, tiled over queries and keys with a running (online) softmax, so the
+    working set is a few [H, q_tile, K_TILE] tiles whatever the length. ``scores(t0, t1,
+    s0, s1)`` gives the scaled scores [H, t1-t0, s1-s0]; ``values(p, s0, s1)`` the
+    weighted values [H, t1-t0, dv] of probabilities p. Key tiles start at fixed
+    positions. Returns [T, H, dv]."""
+    out = like.new_empty(T, H, dv)
     q_tile = max(1, SCORE_TILE_BYTES // (H * K_TILE * 4))
     for t0 in range(0, T, q_tile):
         t1 = min(T, t0 + q_tile)
-        qb = q[t0:t1]
         pos = torch.arange(t0, t1) + past  # absolute positions of these queries
-        m = q.new_full((H, t1 - t0, 1), float("-inf"))
-        den = q.new_zeros(H, t1 - t0, 1)
-        acc = q.new_zeros(H, t1 - t0, v.shape[-1])
+        m = like.new_full((H, t1 - t0, 1), float("-inf"))
+        den = like.new_zeros(H, t1 - t0, 1)
+        acc = like.new_zeros(H, t1 - t0, dv)
         for s0 in range(0, past + t1, K_TILE):  # keys past the last query's position are never seen
             s1 = min(past + t1, s0 + K_TILE)
-            sc = torch.einsum("thd,shd->hts", qb, k[s0:s1]) * scale
+            sc = scores(t0, t1, s0, s1)
             sc = sc.masked_fill(torch.arange(s0, s1).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
             m_new = torch.maximum(m, sc.amax(-1, keepdim=True))  # finite: key 0 is in every query's first tile
             p = torch.exp(sc - m_new)
             corr = torch.exp(m - m_new)
             den = den * corr + p.sum(-1, keepdim=True)
-            acc = acc * corr + torch.einsum("hts,shd->htd", p, v[s0:s1])
+            acc = acc * corr + values(p, s0, s1)
             m = m_new
         out[t0:t1] = (acc / den).transpose(0, 1)
     return out
 
 
+def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
+    """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
+    k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv]."""
+    return _online_softmax(
+        q.shape[0], q.shape[1], past,
+        lambda t0, t1, s0, s1: torch.einsum("thd,shd->hts", q[t0:t1], k[s0:s1]) * scale,
+        lambda p, s0, s1: torch.einsum("hts,shd->htd", p, v[s0:s1]), v.shape[-1], q)
+
+
+def attend_latent(q_lat, q_pe, c, kpe, past: int, scale: float) -> torch.Tensor:
+    """Attention with the keys and values in latent form: q_lat [T, H, L] (the absorbed
+    queries), q_pe [T, H, R]; c [S, L], kpe [S, R] shared by all heads. Returns the
+    weighted latents [T, H, L] (kv_b_proj's value half is applied by the caller)."""
+    return _online_softmax(
+        q_lat.shape[0], q_lat.shape[1], past,
+        lambda t0, t1, s0, s1: (torch.einsum("thl,sl->hts", q_lat[t0:t1], c[s0:s1])
+                                + torch.einsum("thr,sr->hts", q_pe[t0:t1], kpe[s0:s1])) * scale,
+        lambda p, s0, s1: torch.einsum("hts,sl->htl", p, c[s0:s1]), c.shape[-1], q_lat)
+
+
 class MLAState:
-    """KV cache of one MLA layer: k [S, H, nope+rope], v [S, H, v_dim], fp32 - views of
-    buffers with room for ``capacity`` positions, so appending a token writes in place
-    (a concatenation would hold two copies of the cache for a moment)."""
+    """KV cache of one MLA layer: ``k``, ``v`` views of buffers with room for ``capacity``
+    positions, so appending a token writes in place (a concatenation would hold two
+    copies of the cache for a moment). Expanded form: k [S, H, nope+rope], v [S, H, v_dim];
+    latent form: k = the normalised latents c [S, kv_lora_rank], v = the rope keys [S, rope]."""
 
-    __slots__ = ("k", "v", "_kb", "_vb", "capacity")
+    __slots__ = ("k", "v", "_kb", "_vb", "capacity", "latent")
 
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, latent: bool = False):
         self.k = self.v = None
         self._kb = self._vb = None
         self.capacity = capacity
+        self.latent = latent
 
     @property
     def length(self) -> int:
@@ -89,7 +117,8 @@ class MLAState:
 
 
 def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
-    """x [T, d] normed input; attends causally over cached positions + these T."""
+    """x [T, d] normed input; attends causally over cached positions + these T, in the
+    state's KV form (expanded when there is no state)."""
     T = x.shape[0]
     H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     if cfg.q_lora_rank is not None:
@@ -101,18 +130,22 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     ckv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])  # [T, kv_lora + rope]
     c, k_pe = ckv[:, : cfg.kv_lora_rank], ckv[:, cfg.kv_lora_rank:]
     c = rms_norm(c, w["self_attn.kv_a_layernorm.weight"], cfg.mla_norm_eps)
-    kv = linear(c, w["self_attn.kv_b_proj.weight"]).reshape(T, H, nope + vd)
-    k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, H, rope)], -1)
-    v = kv[..., nope:]
-    past = 0
-    if st is not None:
-        past = st.length
-        st.append(k, v)
-        k, v = st.k, st.v
-    o = attend(q, k, v, past, (nope + rope) ** -0.5).reshape(T, H * vd)
+    scale = (nope + rope) ** -0.5
+    st = st if st is not None else MLAState()
+    past = st.length
+    if st.latent:
+        wkv = w["self_attn.kv_b_proj.weight"].reshape(H, nope + vd, cfg.kv_lora_rank).to(torch.float32)
+        st.append(c, k_pe)
+        q_lat = torch.einsum("thj,hjl->thl", q[..., :nope], wkv[:, :nope])  # W_k^T q_nope, per head
+        o_lat = attend_latent(q_lat, q[..., nope:], st.k, st.v, past, scale)
+        o = torch.einsum("thl,hvl->thv", o_lat, wkv[:, nope:]).reshape(T, H * vd)
+    else:
+        kv = linear(c, w["self_attn.kv_b_proj.weight"]).reshape(T, H, nope + vd)
+        st.append(torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, H, rope)], -1), kv[..., nope:])
+        o = attend(q, st.k, st.v, past, scale).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
         o = o * sigmoid(linear(x, w["self_attn.g_proj.weight"]))
     return linear(o, w["self_attn.o_proj.weight"])
 
 
-__all__ = ["MLAState", "mla_layer", "MLA_NORM_EPS"]
+__all__ = ["MLAState", "mla_layer", "attend", "attend_latent", "MLA_NORM_EPS"]

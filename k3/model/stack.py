@@ -29,10 +29,11 @@ class InferenceState:
     ids: list = field(default_factory=list)
 
     @classmethod
-    def fresh(cls, cfg, n_layers: int | None = None, capacity: int = 0):
-        """A state at position 0; its KV caches reserve room for ``capacity`` positions."""
+    def fresh(cls, cfg, n_layers: int | None = None, capacity: int = 0, latent: bool = True):
+        """A state at position 0; its KV caches (latent form unless ``latent`` is False,
+        see k3.model.mla) reserve room for ``capacity`` positions."""
         n = cfg.num_hidden_layers if n_layers is None else n_layers
-        return cls([MLAState(capacity) if cfg.is_mla(i) else KDAState() for i in range(n)], [])
+        return cls([MLAState(capacity, latent) if cfg.is_mla(i) else KDAState() for i in range(n)], [])
 
     @property
     def position(self) -> int:
@@ -90,6 +91,10 @@ class Observer:
     def on_route(self, layer: int, ids) -> None:
         """The router of `layer` chose `ids` [T, top-k] (long) for this pass."""
 
+    def on_prefill(self, done: int, total: int, piece: int) -> None:
+        """A pass is about to read tokens done .. done + piece of a prompt of `total`
+        tokens that takes several passes (called by the decode loop, per sequence)."""
+
 
 def _finite(x: torch.Tensor, where: str) -> torch.Tensor:
     """x, or NumericError naming where the hidden state first stopped being finite. One
@@ -108,14 +113,16 @@ class Model:
     """Pure math over a WeightProvider. `forward` processes new tokens, extending
     `state` if given (incremental) or starting from nothing (full recompute)."""
 
-    def __init__(self, provider, n_layers: int | None = None, kda_chunked: bool | None = None):
+    def __init__(self, provider, n_layers: int | None = None, kda_chunked: bool | None = None,
+                 kv_latent: bool = True):
         self.provider = provider
         self.cfg = provider.config
         self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
         self.kda_chunked = kda_chunked
+        self.kv_latent = kv_latent  # the MLA KV cache form of the states it makes
 
     def new_state(self, capacity: int = 0) -> InferenceState:
-        return InferenceState.fresh(self.cfg, self.n_layers, capacity)
+        return InferenceState.fresh(self.cfg, self.n_layers, capacity, self.kv_latent)
 
     def _mixer(self, i, w, x, states, cuts):
         """The layer's KDA or MLA mixer, run on each sequence's rows with its own state
