@@ -22,6 +22,7 @@ from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_READ, EXIT_RUNTIME, EXIT_USAG
 COMMANDS = {
     "run": "run",
     "chat": "chat",
+    "serve": "serve",
     "synth": "synth",
     "pack-trunk": "pack_trunk",
     "doctor": "doctor",

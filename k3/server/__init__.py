@@ -1,0 +1,16 @@
+"""`k3 serve`: an OpenAI-compatible HTTP server with continuous batching (docs/SERVER.md).
+
+* :mod:`k3.server.protocol` - the OpenAI request checks (with OpenAI-style error
+  bodies), prompt rendering (chat formats, tools), sampling per request, and the answer
+  builders (``reasoning_content``, ``tool_calls``, stop strings). No web stack.
+* :mod:`k3.server.scheduler` - the one thread that owns the engine: it loads it, admits
+  requests into one :class:`k3.engine.Batch` between steps, frees a slot as soon as a
+  client goes away, and keeps finished states for prefix reuse
+  (:mod:`k3.server.prefix`).
+* :mod:`k3.server.metrics` - counters and their Prometheus text.
+* :mod:`k3.server.app` - the ASGI application (Starlette) and the uvicorn server that
+  drains on Ctrl-C.
+
+Only :mod:`k3.server.app` imports the web stack; :mod:`k3.commands.serve` imports it
+inside ``run()``, so `k3 --help` stays cheap.
+"""
