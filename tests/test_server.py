@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,86 @@ def test_eight_concurrent_clients_each_as_alone(srv):
     passes = m1["k3_passes_total"] - m0["k3_passes_total"]
     seqs = m1["k3_batch_sequences_total"] - m0["k3_batch_sequences_total"]
     assert seqs / passes > 2, (seqs, passes)  # they shared passes
+
+
+def stream_completion(url: str, body: dict, timeout: float = 120) -> dict:
+    """One streamed /v1/completions over raw urllib, timed: status, time to the first
+    chunk carrying a generated token (`return_token_ids`), latency, the streamed ids,
+    the last chunk's usage and finish_reason."""
+    body = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    out = {"ttft": None, "ids": [], "usage": None, "finish": None, "done": False}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out["status"] = r.status
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                out["done"] = True
+                break
+            ev = json.loads(data)
+            assert "error" not in ev, ev
+            out["usage"] = ev.get("usage") or out["usage"]
+            for c in ev["choices"]:
+                if c.get("token_ids") and out["ttft"] is None:
+                    out["ttft"] = time.perf_counter() - t0
+                out["ids"] += c.get("token_ids") or []
+                out["finish"] = c.get("finish_reason") or out["finish"]
+    out["latency"] = time.perf_counter() - t0
+    return out
+
+
+def test_bounded_load_reports_requests_per_second_ttft_and_tokens_per_second(srv, k3dir):
+    """A bounded load test on loopback: 24 streamed requests from 8 threads, under a hard
+    wall-clock cap that only guards against a hang (no timed assertions: timings on a
+    shared VM are noise). Every request completes with a 200 and consistent usage; the
+    figures are printed (pytest -s shows them)."""
+    n_requests, n_threads, max_tokens, cap_s = 24, 8, 12, 600.0
+    eos = Tokenizer(k3dir).eos_id
+    # six distinct token-id prompts, four requests each, greedy: the same prompt must give the same answer
+    # whatever else shares its batch
+    prompts = [[7 + 31 * p + 3 * k for k in range(6 + p)] for p in range(6)]
+    bodies = [{"model": "tiny", "prompt": prompts[i % 6], "max_tokens": max_tokens, "temperature": 0}
+              for i in range(n_requests)]
+    assert srv.url.startswith(("http://127.0.0.1:", "http://[::1]:"))  # loopback only
+    m0 = metrics(srv)
+    ex = ThreadPoolExecutor(n_threads)
+    t0 = time.perf_counter()
+    futures = [ex.submit(stream_completion, srv.url, b) for b in bodies]
+    _, pending = wait_futures(futures, timeout=cap_s)
+    wall = time.perf_counter() - t0
+    ex.shutdown(wait=not pending, cancel_futures=True)
+    assert not pending, f"{len(pending)} of {n_requests} requests did not finish within {cap_s:.0f} s"
+    res = [f.result() for f in futures]  # raises if one failed
+    ok200 = 'k3_requests_total{endpoint="/v1/completions",code="200"}'
+    # a request is counted once its response is complete on the server's side, a moment after the client's [DONE]
+    assert wait_for(lambda: metrics(srv).get(ok200, 0) - m0.get(ok200, 0) == n_requests)
+    m1 = metrics(srv)
+    for b, r in zip(bodies, res):
+        assert r["status"] == 200 and r["done"] and r["ttft"] is not None, r
+        u = r["usage"]
+        assert u["prompt_tokens"] == len(b["prompt"]) and u["completion_tokens"] == len(r["ids"]) >= 1, u
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+        assert (r["finish"] == "length" and len(r["ids"]) == max_tokens) or (r["finish"] == "stop"
+                                                                             and r["ids"][-1] == eos), r
+    for p in range(6):
+        assert len({tuple(r["ids"]) for r in res[p::6]}) == 1, p
+    tokens = sum(r["usage"]["completion_tokens"] for r in res)
+    assert m1["k3_completion_tokens_total"] - m0["k3_completion_tokens_total"] == tokens
+    assert m1['k3_generations_total{outcome="finished"}'] - m0['k3_generations_total{outcome="finished"}'] == \
+        n_requests
+    ttft = sorted(r["ttft"] for r in res)
+    p95 = ttft[min(len(ttft) - 1, -(-95 * len(ttft) // 100) - 1)]
+    passes = m1["k3_passes_total"] - m0["k3_passes_total"]
+    batch = (m1["k3_batch_sequences_total"] - m0["k3_batch_sequences_total"]) / passes
+    print(f"\nload test: {n_requests} streamed requests from {n_threads} threads, {max_tokens} tokens each, in "
+          f"{wall:.2f} s: {n_requests / wall:.2f} requests/s, {tokens / wall:.1f} aggregate tokens/s, time to first "
+          f"token mean {sum(ttft) / len(ttft):.3f} s / p95 {p95:.3f} s, mean latency "
+          f"{sum(r['latency'] for r in res) / len(res):.2f} s, mean batch {batch:.1f}")
 
 
 def test_a_client_that_goes_away_frees_its_slot_and_the_queue_is_bounded(srv1):
