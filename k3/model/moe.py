@@ -5,18 +5,26 @@ e_score_correction_bias (ties to the lowest expert id, descending order); the we
 are the UNBIASED scores of the chosen experts, renormalised, times
 routed_scaling_factor. Expert outputs are summed in fp32 in that top-k order, so a
 token's result does not depend on which other tokens share the batch.
+
+Routed experts run grouped (:func:`routed_experts`): per group of experts the provider
+hands out, ONE kernel call multiplies every (token, expert) pair by its expert's gate
+and up matrices and one more by the down matrices. Each product has the bits of its own
+call, so this equals the per-expert loop (:func:`routed_experts_reference`) bit for bit.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .ops import glu_act, linear, mlp, rms_norm, sigmoid, vec
+from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm, sigmoid, vec, weighted_sum
 
 
-def route(cfg, x: torch.Tensor, gate_w, bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, d] -> (ids [T, k] long, weights [T, k] fp32)."""
-    logits = linear(x, gate_w)
+def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, d] -> (ids [T, k] long, weights [T, k] fp32). ``logits``: x W_gate^T when
+    the caller computed it (with x's other projections, in one call)."""
+    if logits is None:
+        logits = linear(x, gate_w)
     scores = sigmoid(logits)
     biased = scores + vec(bias).reshape(1, -1) if bias is not None else scores
     # stable descending sort = ties resolved to the lowest expert index
@@ -28,34 +36,80 @@ def route(cfg, x: torch.Tensor, gate_w, bias) -> tuple[torch.Tensor, torch.Tenso
     return ids, wts * cfg.routed_scaling_factor
 
 
-def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> torch.Tensor:
-    """FFN of an MoE layer on the normed input x [T, d]."""
-    T = x.shape[0]
-    p = "block_sparse_moe."
-    ids, wts = route(cfg, x, w[p + "gate.weight"], w.get(p + "gate.e_score_correction_bias"))
-    latent = cfg.latent_size is not None
-    z = linear(x, w[p + "routed_expert_down_proj.weight"]) if latent else x
+def routed_experts_reference(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
+    """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], one expert at a
+    time (three linear calls each). The reference :func:`routed_experts` must equal."""
+    T, k = ids.shape
     uniq = sorted(set(ids.flatten().tolist()))
-    if observer is not None:
-        observer.on_route(layer, ids)
-    # Each expert runs once over the tokens that chose it; contributions are then summed
-    # per token in top-k order, whatever groups the provider hands the experts out in.
-    contrib = z.new_zeros(T, cfg.num_experts_per_token, z.shape[1])
+    contrib = z.new_zeros(T, k, z.shape[1])
     for group in provider.expert_groups(layer, uniq):
         for e, ew in group.items():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             y = linear(glu_act(cfg, linear(z[tok], ew.w1), linear(z[tok], ew.w3)), ew.w2)
             contrib[tok, slot] = y
-    r = contrib[:, 0] * wts[:, :1]
-    for j in range(1, cfg.num_experts_per_token):
-        r = r + contrib[:, j] * wts[:, j:j + 1]
+    return contrib
+
+
+def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
+    """contrib [T, k, d] as :func:`routed_experts_reference`, two kernel calls per group
+    of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
+    are one run of rows; gate and up of every expert in one call, the GLU over all
+    pairs at once, down in one call."""
+    T, k = ids.shape
+    d = z.shape[1]
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
+    experts, first, count = np.unique(flat[order], return_index=True, return_counts=True)
+    span = {int(e): (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
+    zs = z[torch.from_numpy(order // k)]        # the pairs' inputs, grouped by expert
+    contrib = z.new_empty(T * k, d)
+    for group in provider.expert_groups(layer, [int(e) for e in experts]):
+        es = list(group.items())
+        if not es:
+            continue
+        rows = [span[e] for e, _ in es]
+        n = sum(b - a for a, b in rows)
+        inter = es[0][1].w1.shape[0]
+        gu = None
+        if all(ew.w1.shape[0] == inter for _, ew in es):
+            gu = grouped_linear(zs, [ew.w1 for _, ew in es] + [ew.w3 for _, ew in es], rows + rows)
+        if gu is None:  # the experts share no kernel format (F32 fixtures): one by one
+            for (e, ew), (a, b) in zip(es, rows):
+                contrib[torch.from_numpy(order[a:b])] = linear(
+                    glu_act(cfg, linear(zs[a:b], ew.w1), linear(zs[a:b], ew.w3)), ew.w2)
+            continue
+        h = glu_act(cfg, gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter))
+        at = np.cumsum([0] + [b - a for a, b in rows])
+        y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:])))
+        contrib[torch.from_numpy(np.concatenate([order[a:b] for a, b in rows]))] = y.view(n, d)
+    return contrib.view(T, k, d)
+
+
+def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> torch.Tensor:
+    """FFN of an MoE layer on the normed input x [T, d]."""
+    p = "block_sparse_moe."
+    s = p + "shared_experts."
+    latent = cfg.latent_size is not None
+    # every projection of x (router, latent down, shared gate/up) in one call
+    ws = [w[p + "gate.weight"]]
+    if latent:
+        ws.append(w[p + "routed_expert_down_proj.weight"])
+    if cfg.num_shared_experts:
+        ws += [w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]
+    outs = linears(x, ws)
+    ids, wts = route(cfg, x, None, w.get(p + "gate.e_score_correction_bias"), logits=outs[0])
+    z = outs[1] if latent else x
+    if observer is not None:
+        observer.on_route(layer, ids)
+    # Each expert runs once over the tokens that chose it; contributions are then summed
+    # per token in top-k order, whatever groups the provider hands the experts out in.
+    r = weighted_sum(routed_experts(cfg, z, ids, layer, provider), wts)
     if latent:
         if cfg.latent_moe_use_norm:
             r = rms_norm(r, w[p + "routed_expert_norm.weight"], cfg.rms_norm_eps)
         r = linear(r, w[p + "routed_expert_up_proj.weight"])
     if cfg.num_shared_experts:
-        s = p + "shared_experts."
-        r = r + mlp(cfg, x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+        r = r + mlp(cfg, x, None, None, w[s + "down_proj.weight"], gu=outs[-2:])
     return r
 
 

@@ -35,6 +35,43 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return (x.double() @ w.double().T).to(torch.float32)
 
 
+def _kernel_format(ws) -> str | None:
+    """"bf16" / "mxfp4" when every weight can go to that grouped kernel, else None."""
+    if all(isinstance(w, Mxfp4Weight) for w in ws):
+        return "mxfp4"
+    if all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
+           for w in ws):
+        return "bf16"
+    return None
+
+
+def grouped_linear(x: torch.Tensor, ws, rows=None):
+    """Several linears in ONE kernel call: weight g multiplies rows rows[g] = (x0, x1)
+    of x (all of x when ``rows`` is None). Returns the flat fp32 result (each product
+    row-major [x1 - x0, out_g], one after another), or None when the weights do not
+    share a kernel format (F32 fixtures, streamed row chunks): then the caller runs
+    ``linear`` per weight. Each element has the same bits as ``linear`` gives it."""
+    fmt = _kernel_format(ws)
+    if fmt is None or not ws:
+        return None
+    from ..quant import bf16_grouped, mxfp4_grouped
+    return (bf16_grouped if fmt == "bf16" else mxfp4_grouped)(x.contiguous(), ws, rows)
+
+
+def linears(x: torch.Tensor, ws) -> list[torch.Tensor]:
+    """[linear(x, w) for w in ws] - the projections that read the same input - in one
+    kernel call when the weights share a format (same bits either way)."""
+    flat = grouped_linear(x, ws)
+    if flat is None:
+        return [linear(x, w) for w in ws]
+    T, outs, off = x.shape[0], [], 0
+    for w in ws:
+        n = w.shape[0]
+        outs.append(flat[off:off + T * n].view(T, n))
+        off += T * n
+    return outs
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)), position-independent (see the module docstring)."""
     return 1.0 / (1.0 + torch.exp(-x))
@@ -85,8 +122,11 @@ def glu_act(cfg, g, u):
     return silu_glu(g, u)
 
 
-def mlp(cfg, x, gate_w, up_w, down_w) -> torch.Tensor:
-    return linear(glu_act(cfg, linear(x, gate_w), linear(x, up_w)), down_w)
+def mlp(cfg, x, gate_w, up_w, down_w, gu=None) -> torch.Tensor:
+    """GLU MLP; ``gu``: the gate and up projections of x when the caller computed them
+    (with other projections of x, in one call)."""
+    g, u = linears(x, [gate_w, up_w]) if gu is None else gu
+    return linear(glu_act(cfg, g, u), down_w)
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
@@ -103,6 +143,15 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     for j in range(K):
         acc = acc + z[j:j + T] * wk[:, j]
     return silu(acc), z[T:].clone() if K > 1 else state
+
+
+def weighted_sum(c: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+    """sum_j c[:, j] * wts[:, j] for c [T, k, d], wts [T, k]: the products rounded, then
+    added left to right (j = 0, 1, ...), the top-k order."""
+    r = c[:, 0] * wts[:, :1]
+    for j in range(1, c.shape[1]):
+        r = r + c[:, j] * wts[:, j:j + 1]
+    return r
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

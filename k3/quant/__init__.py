@@ -5,21 +5,24 @@ Public API::
     bf16_linear(x, w)              # x f32 [T, K], w bf16 [N, K] -> f32 [T, N]
     decode_mxfp4(packed, scale)    # -> f32 [R, C], bit-exact
     mxfp4_linear(x, packed, scale) # x f32 [T, C] -> f32 [T, R], fused decode + matmul
+    bf16_grouped(x, ws, rows)      # several BF16 linears (each on its rows of x) in one call
+    mxfp4_grouped(x, ws, rows)     # several MXFP4 linears in one call
     set_num_threads(n)             # numba threads for these kernels
     get_num_threads()
 
 Every output element has one fixed summation order (see ``k3.quant.bf16``), so the
-results are bit-identical for any thread count and any number of tokens per call.
+results are bit-identical for any thread count, any number of tokens per call and any
+grouping (a grouped call gives each product the bits its own linear call gives it).
 """
 
 from __future__ import annotations
 
 import numba
 
-from .bf16 import LANES, bf16_linear
-from .mxfp4 import E2M1, decode_mxfp4, mxfp4_linear
+from .bf16 import LANES, bf16_grouped, bf16_linear
+from .mxfp4 import E2M1, decode_mxfp4, mxfp4_grouped, mxfp4_linear
 
-__all__ = ["bf16_linear", "decode_mxfp4", "mxfp4_linear", "E2M1", "LANES",
+__all__ = ["bf16_linear", "bf16_grouped", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "E2M1", "LANES",
            "set_num_threads", "get_num_threads", "max_threads"]
 
 

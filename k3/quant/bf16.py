@@ -45,7 +45,7 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["bf16_linear", "LANES"]
+__all__ = ["bf16_linear", "bf16_grouped", "LANES"]
 
 #: fp32 accumulator lanes of the canonical dot-product order. Part of the numeric
 #: contract: changing it changes the bits every caller gets.
@@ -304,44 +304,86 @@ def _tree_sum(a):
 
 
 # =========================================================================== kernels
+def address_intrinsic(ty):
+    """A numba intrinsic turning an integer address into a ``CPointer(ty)``, so that a
+    kernel can view (``numba.carray``) many weight matrices whose addresses a table
+    holds: one call multiplies any number of matrices wherever they live."""
+
+    @intrinsic
+    def ptr(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return types.CPointer(ty)(addr), codegen
+
+    return ptr
+
+
+_i16_ptr = address_intrinsic(types.int16)
+
+# Columns of a grouped call's job table (int64 [G, 4 + addresses]): job g multiplies
+# rows x0..x1-1 of x by its matrix W_g [n, K] (at the address(es) from column J_ADDR)
+# and writes the [x1-x0, n] result row-major at out[off:].
+J_N, J_X0, J_X1, J_OFF, J_ADDR = 0, 1, 2, 3, 4
+
+
+@njit(cache=True, nogil=True)
+def job_blocks(jobs, rb1, rb):
+    """Prefix sums of the jobs' row blocks (rb1 rows when a job has one token, rb
+    otherwise): job g owns blocks starts[g] .. starts[g+1]-1."""
+    G = jobs.shape[0]
+    starts = np.empty(G + 1, np.int64)
+    starts[0] = 0
+    for g in range(G):
+        b = rb1 if jobs[g, J_X1] - jobs[g, J_X0] == 1 else rb
+        starts[g + 1] = starts[g] + (jobs[g, J_N] + b - 1) // b
+    return starts
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _bf16_gemv(x, w, out, rb, nth):
-    """out[n] = x[0] . fp32(w[n]) for x float32 [1, K], w bf16 bits [N, K], out float32 [N]."""
-    N, K = w.shape
+def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
+    """For every job g (``jobs``: the J_* columns): out[off + t * n + r] = x[x0 + t] . fp32(W_g[r])
+    for t < x1 - x0, r < n, with W_g the bf16 bits [n, K] at address jobs[g, J_ADDR].
+    x float32 [M, K]; out float32 (flat). One prange over the row blocks of all jobs,
+    so every output element is computed by one thread, in the canonical order.
+
+    A job with one token streams each weight row once (memory bound). A job with more
+    widens a block of rows once per K-chunk into an fp32 scratch and reuses it for
+    every token, with 2-token x 2-row register tiles where possible, 1x1 at the edges;
+    the accumulator lanes persist across chunks, so the order is the same."""
+    K = x.shape[1]
     nj = K // LANES
     km = nj * LANES
-    nblk = (N + rb - 1) // rb
+    starts = job_blocks(jobs, rb1, rb)
     # per-thread scratch, allocated once per call (nth = numba threads of the caller;
     # numba.get_num_threads() inside a cached function would defeat the cache)
-    scratch = np.empty((nth, 1, LANES), np.float32)
-    for b in prange(nblk):
-        acc = scratch[get_thread_id()]
-        a = acc[0]
-        for n in range(b * rb, min(N, (b + 1) * rb)):
-            _zero(a)
-            _vdot_bf16(acc, (0,), x, x, (0,), 0, w, w, (n,), 0, nj, 1, 0)
-            for i in range(K - km):
-                a[i] = _fma(x[0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
-            out[n] = _tree_sum(a)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _bf16_gemm(x, w, out, rb, tb, kc, nth):
-    """out[t, n] = x[t] . fp32(w[n]) for x float32 [T, K], w bf16 bits [N, K], out [T, N].
-
-    Same canonical order as ``_bf16_gemv``: lane accumulators persist across K-chunks;
-    2x2 (token, row) register tiles where possible, 1x1 at the edges."""
-    T, K = x.shape
-    N = w.shape[0]
-    nj = K // LANES
-    km = nj * LANES
-    nblk = (N + rb - 1) // rb
-    wf_all = np.empty((nth, rb, kc), np.float32)          # per-thread scratch, allocated once
+    gv_all = np.empty((nth, 1, LANES), np.float32)
+    wf_all = np.empty((nth, rb, kc), np.float32)
     acc_all = np.empty((nth, rb * tb, LANES), np.float32)
-    for b in prange(nblk):
-        r0 = b * rb
-        nrb = min(N, r0 + rb) - r0
+    for b in prange(starts[-1]):
+        g = np.searchsorted(starts, b, side="right") - 1
+        N = jobs[g, J_N]
+        x0 = jobs[g, J_X0]
+        T = jobs[g, J_X1] - x0
+        off = jobs[g, J_OFF]
+        w = numba.carray(_i16_ptr(jobs[g, J_ADDR]), (N, K))
         tid = get_thread_id()
+        if T == 1:
+            acc = gv_all[tid]
+            a = acc[0]
+            r0 = (b - starts[g]) * rb1
+            for n in range(r0, min(N, r0 + rb1)):
+                _zero(a)
+                _vdot_bf16(acc, (0,), x, x, (x0,), 0, w, w, (n,), 0, nj, 1, 0)
+                for i in range(K - km):
+                    a[i] = _fma(x[x0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
+                out[off + n] = _tree_sum(a)
+            continue
+        r0 = (b - starts[g]) * rb
+        nrb = min(N, r0 + rb) - r0
         wf = wf_all[tid]
         acc = acc_all[tid]                                # row r, token t at r * tb + t
         for t0 in range(0, T, tb):
@@ -355,25 +397,26 @@ def _bf16_gemm(x, w, out, rb, tb, kc, nth):
                 for r in range(nrb):                      # widen the block's chunk once
                     _widen_row(wf[r], w[r0 + r, c0:c1], njc)
                 npair = ntb // 2
+                xt = x0 + t0
                 r = 0
                 while r + 1 < nrb:                        # 2x2 tiles over all token pairs
                     if npair > 0:
                         _vdot_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
-                                      x, x, (t0, t0 + 1), c0, wf, wf, (r, r + 1), 0, njc, npair, 2)
+                                      x, x, (xt, xt + 1), c0, wf, wf, (r, r + 1), 0, njc, npair, 2)
                     if ntb % 2:                           # last token, 1x1 per row
                         t = ntb - 1
-                        _vdot_f32(acc, (r * tb + t,), x, x, (t0 + t,), c0, wf, wf, (r,), 0, njc, 1, 0)
-                        _vdot_f32(acc, ((r + 1) * tb + t,), x, x, (t0 + t,), c0, wf, wf, (r + 1,), 0, njc, 1, 0)
+                        _vdot_f32(acc, (r * tb + t,), x, x, (xt + t,), c0, wf, wf, (r,), 0, njc, 1, 0)
+                        _vdot_f32(acc, ((r + 1) * tb + t,), x, x, (xt + t,), c0, wf, wf, (r + 1,), 0, njc, 1, 0)
                     r += 2
                 if r < nrb:                               # odd last row: 1x1 over all tokens
-                    _vdot_f32(acc, (r * tb,), x, x, (t0,), c0, wf, wf, (r,), 0, njc, ntb, 1)
+                    _vdot_f32(acc, (r * tb,), x, x, (xt,), c0, wf, wf, (r,), 0, njc, ntb, 1)
             for t in range(ntb):
-                ta = t0 + t
+                ta = x0 + t0 + t
                 for r in range(nrb):
                     a = acc[r * tb + t]
                     for i in range(K - km):
                         a[i] = _fma(x[ta, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
-                    out[ta, r0 + r] = _tree_sum(a)
+                    out[off + (t0 + t) * N + r0 + r] = _tree_sum(a)
 
 
 # =========================================================================== wrappers
@@ -447,6 +490,60 @@ def _as_bf16_bits(w):
     raise ValueError(f"w must be a torch.bfloat16 tensor, got {type(w).__name__}")
 
 
+def address(a) -> int:
+    """Address of the first element of a CPU torch tensor or numpy array."""
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+
+
+def job_table(M: int, K: int, ns, addrs, rows=None) -> tuple[np.ndarray, int, int, int]:
+    """The job table (J_* columns) of a grouped call: matrix g ([ns[g], K] at addrs[g],
+    an int or a tuple of ints for the leading columns) multiplies rows ``rows[g]`` =
+    (x0, x1) of an activation of M rows (all of them when ``rows`` is None); the
+    results lie one after another, each row-major [x1 - x0, ns[g]]. Returns (jobs,
+    total output floats, multiply-adds, most tokens of one job)."""
+    G = len(ns)
+    na = len(addrs[0]) if G and isinstance(addrs[0], tuple) else 1
+    jobs = np.empty((G, J_ADDR + na), np.int64)
+    off = work = tmax = 0
+    for g in range(G):
+        x0, x1 = (0, M) if rows is None else (int(rows[g][0]), int(rows[g][1]))
+        if not 0 <= x0 <= x1 <= M:
+            raise ValueError(f"job {g}: rows [{x0}, {x1}) outside the activation's {M} rows")
+        n = int(ns[g])
+        jobs[g, :J_ADDR] = (n, x0, x1, off)
+        jobs[g, J_ADDR:] = addrs[g]
+        off += (x1 - x0) * n
+        work += (x1 - x0) * n * K
+        tmax = max(tmax, x1 - x0)
+    return jobs, off, work, tmax
+
+
+def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
+    """Several BF16 linears in one kernel call. x float32 [M, K]; ws: bf16 matrices
+    [N_g, K] (contiguous); ``rows``: per matrix the rows (x0, x1) of x it multiplies
+    (None: all of them). Returns one flat float32 tensor holding x[x0:x1] @ fp32(W_g).T
+    for g = 0, 1, ... one after another, each row-major [x1 - x0, N_g].
+
+    Each output element has the canonical order (module docstring): the same bits as
+    ``bf16_linear(x[x0:x1], W_g)``, whatever the grouping, tokens or thread count."""
+    xn, _ = _as_f32_activations(x)
+    M, K = xn.shape
+    wbs = [_as_bf16_bits(w) for w in ws]
+    for g, wb in enumerate(wbs):
+        if wb.shape[1] != K:
+            raise ValueError(f"shape mismatch: x is [{M}, {K}] but matrix {g} is {list(wb.shape)} (in-features differ)")
+    jobs, total, work, tmax = job_table(M, K, [wb.shape[0] for wb in wbs], [address(wb) for wb in wbs], rows)
+    out = np.empty(total, dtype=np.float32)
+    if total:
+        if K == 0:
+            out[:] = 0.0
+        else:
+            keep = jobs[:, J_X1] > jobs[:, J_X0]
+            _launch(_bf16_grouped, work, xn, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB,
+                    min(tmax, _TB), _KC)
+    return torch.from_numpy(out)
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: float32 [T, K] (T = 1..~4096 tokens), w: torch.bfloat16 [N, K] (contiguous).
 
@@ -461,13 +558,5 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, Kw = wb.shape
     if Kw != K:
         raise ValueError(f"shape mismatch: x is [{T}, {K}] but w is [{N}, {Kw}] (in-features differ)")
-    out = np.empty((T, N), dtype=np.float32)
-    if T > 0 and N > 0:
-        if K == 0:
-            out[:] = 0.0
-        elif T == 1:
-            _launch(_bf16_gemv, N * K, xn, wb, out[0], _RB1)
-        else:
-            _launch(_bf16_gemm, T * N * K, xn, wb, out, _RB, min(T, _TB), _KC)
-    res = torch.from_numpy(out)
+    res = bf16_grouped(xn, [wb]).view(T, N)
     return res[0] if was_1d else res

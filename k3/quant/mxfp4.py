@@ -37,6 +37,7 @@ of tokens in the call (decode == prefill) or the machine's SIMD width.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -44,10 +45,11 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16 import (LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum, _vfma, _vload, _vstore, _zero,
-                   as_cpu_array, counted_loop, make_vdot)
+from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum,
+                   _vfma, _vload, _vstore, _zero, address, address_intrinsic, as_cpu_array, counted_loop, job_blocks,
+                   job_table, make_vdot)
 
-__all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "encode_mxfp4", "GROUP"]
+__all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude table; bit 3 of the nibble = sign
 GROUP = 32  # elements per scale byte
@@ -191,6 +193,7 @@ def _vdecode_split(typingctx, we, wo, pk, sc, nj):
 
 
 _vdot2_f32 = make_vdot(1, 1, 2, "f32")
+_u8_ptr = address_intrinsic(types.uint8)
 _vdot2_f32_2x2 = make_vdot(2, 2, 2, "f32")
 
 
@@ -227,50 +230,55 @@ def _decode_kernel(packed, scale, out, rb, nth):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_gemv(xe, xo, packed, scale, out, rb, nth):
-    """T = 1: out[r] = x . W[r], decode fused in registers. xe/xo float32 [P]."""
-    R, P = packed.shape
+def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, tb, jc, nth):
+    """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
+    jobs[g, J_ADDR], scale bytes [n, P/16] at jobs[g, J_ADDR + 1]):
+    out[off + t * n + r] = x[x0 + t] . W_g[r] for t < x1 - x0, r < n. xe/xo float32
+    [M, P] (the even / odd elements of x). One prange over the row blocks of all jobs.
+
+    A job with one token decodes each row in registers and consumes it at once (the
+    packed bytes are read exactly once). A job with more decodes a block of rb rows once
+    into an exact fp32 scratch, then sweeps it in chunks of jc 64-byte steps with 2x2
+    (token, row) register tiles; accumulator lanes persist across chunks. Both have the
+    canonical order of the module docstring."""
+    P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
-    nblk = (R + rb - 1) // rb
-    xet = xe[pm:]
-    xot = xo[pm:]
-    scratch = np.empty((nth, 3, LANES), np.float32)   # per thread (see _bf16_gemv)
-    for b in prange(nblk):
-        sc3 = scratch[get_thread_id()]
-        acc = sc3[0]
-        te = sc3[1]
-        to = sc3[2]
-        for r in range(b * rb, min(R, (b + 1) * rb)):
-            _zero(acc)
-            pk = packed[r]
-            sc = scale[r]
-            _vdot_mxfp4(acc, xe, xo, pk, sc, nj)
-            if pm < P:
-                _decode_tail(pk, sc, te, to, pm, P)
-                for i in range(P - pm):
-                    acc[i] = _fma(xot[i], to[i], _fma(xet[i], te[i], acc[i]))
-            out[r] = _tree_sum(acc)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc, nth):
-    """T > 1: decode a block of rb rows once into an exact fp32 scratch, then sweep it in
-    chunks of jc 64-byte steps with 2x2 (token, row) register tiles; accumulator lanes
-    persist across chunks, so the order is the canonical one of ``_mxfp4_gemv``.
-    xe/xo float32 [T, P]; out float32 [T, R]."""
-    T, P = xe.shape
-    R = packed.shape[0]
-    nj = P // LANES
-    pm = nj * LANES
-    nblk = (R + rb - 1) // rb
-    we_all = np.empty((nth, rb, P), np.float32)          # per-thread scratch, allocated once
+    starts = job_blocks(jobs, rb1, rb)
+    gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
+    we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
     acc_all = np.empty((nth, rb * tb, LANES), np.float32)
-    for b in prange(nblk):
-        r0 = b * rb
-        nrb = min(R, r0 + rb) - r0
+    for b in prange(starts[-1]):
+        g = np.searchsorted(starts, b, side="right") - 1
+        R = jobs[g, J_N]
+        x0 = jobs[g, J_X0]
+        T = jobs[g, J_X1] - x0
+        off = jobs[g, J_OFF]
+        packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
+        scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
         tid = get_thread_id()
+        if T == 1:
+            sc3 = gv_all[tid]
+            acc = sc3[0]
+            te = sc3[1]
+            to = sc3[2]
+            xe0 = xe[x0]
+            xo0 = xo[x0]
+            r0 = (b - starts[g]) * rb1
+            for r in range(r0, min(R, r0 + rb1)):
+                _zero(acc)
+                pk = packed[r]
+                sc = scale[r]
+                _vdot_mxfp4(acc, xe0, xo0, pk, sc, nj)
+                if pm < P:
+                    _decode_tail(pk, sc, te, to, pm, P)
+                    for i in range(P - pm):
+                        acc[i] = _fma(xo0[pm + i], to[i], _fma(xe0[pm + i], te[i], acc[i]))
+                out[off + r] = _tree_sum(acc)
+            continue
+        r0 = (b - starts[g]) * rb
+        nrb = min(R, r0 + rb) - r0
         we = we_all[tid]
         wo = wo_all[tid]
         acc = acc_all[tid]                                # row r, token t at r * tb + t
@@ -280,6 +288,7 @@ def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc, nth):
                 _decode_tail(packed[r0 + r], scale[r0 + r], we[r, pm:], wo[r, pm:], pm, P)
         for t0 in range(0, T, tb):
             ntb = min(T, t0 + tb) - t0
+            xt = x0 + t0
             for r in range(nrb):
                 for t in range(ntb):
                     _zero(acc[r * tb + t])
@@ -291,21 +300,21 @@ def _mxfp4_gemm(xe, xo, packed, scale, out, rb, tb, jc, nth):
                 while r + 1 < nrb:                        # 2x2 tiles over all token pairs
                     if npair > 0:
                         _vdot2_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
-                                       xe, xo, (t0, t0 + 1), e0, we, wo, (r, r + 1), e0, n, npair, 2)
+                                       xe, xo, (xt, xt + 1), e0, we, wo, (r, r + 1), e0, n, npair, 2)
                     if ntb % 2:                           # last token, 1x1 per row
                         t = ntb - 1
-                        _vdot2_f32(acc, (r * tb + t,), xe, xo, (t0 + t,), e0, we, wo, (r,), e0, n, 1, 0)
-                        _vdot2_f32(acc, ((r + 1) * tb + t,), xe, xo, (t0 + t,), e0, we, wo, (r + 1,), e0, n, 1, 0)
+                        _vdot2_f32(acc, (r * tb + t,), xe, xo, (xt + t,), e0, we, wo, (r,), e0, n, 1, 0)
+                        _vdot2_f32(acc, ((r + 1) * tb + t,), xe, xo, (xt + t,), e0, we, wo, (r + 1,), e0, n, 1, 0)
                     r += 2
                 if r < nrb:                               # odd last row: 1x1 over all tokens
-                    _vdot2_f32(acc, (r * tb,), xe, xo, (t0,), e0, we, wo, (r,), e0, n, ntb, 1)
+                    _vdot2_f32(acc, (r * tb,), xe, xo, (xt,), e0, we, wo, (r,), e0, n, ntb, 1)
             for t in range(ntb):
-                ta = t0 + t
+                ta = xt + t
                 for r in range(nrb):
                     a = acc[r * tb + t]
                     for i in range(P - pm):
                         a[i] = _fma(xo[ta, pm + i], wo[r, pm + i], _fma(xe[ta, pm + i], we[r, pm + i], a[i]))
-                    out[ta, r0 + r] = _tree_sum(a)
+                    out[off + (t0 + t) * R + r0 + r] = _tree_sum(a)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -347,6 +356,38 @@ def decode_mxfp4(packed, scale) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
+    """Several fused MXFP4 linears in one kernel call. x float32 [M, C]; ws: (packed,
+    scale) pairs (or objects with ``.packed`` / ``.scale``, e.g. Mxfp4Weight) of logical
+    weights [R_g, C]; ``rows``: per weight the rows (x0, x1) of x it multiplies (None:
+    all of them). Returns one flat float32 tensor holding x[x0:x1] @ W_g.T for g = 0,
+    1, ... one after another, each row-major [x1 - x0, R_g]: the same bits as
+    ``mxfp4_linear(x[x0:x1], packed_g, scale_g)`` (canonical order)."""
+    xn, _ = _as_f32_activations(x)
+    M, C = xn.shape
+    ps = []
+    for g, w in enumerate(ws):
+        pk, sc = (w.packed, w.scale) if hasattr(w, "packed") else w
+        p, s = _check_packed_scale(pk, sc)
+        if C != 2 * p.shape[1]:
+            raise ValueError(f"shape mismatch: x is [{M}, {C}] but weight {g} (packed {list(p.shape)}) holds a "
+                             f"[{p.shape[0]}, {2 * p.shape[1]}] weight (in-features differ)")
+        ps.append((p, s))
+    jobs, total, work, tmax = job_table(M, C, [p.shape[0] for p, _ in ps],
+                                        [(address(p), address(s)) for p, s in ps], rows)
+    out = np.empty(total, dtype=np.float32)
+    if total:
+        if C == 0:
+            out[:] = 0.0
+        else:
+            keep = jobs[:, J_X1] > jobs[:, J_X0]
+            xe = np.ascontiguousarray(xn[:, 0::2])
+            xo = np.ascontiguousarray(xn[:, 1::2])
+            _launch(_mxfp4_grouped, work, xe, xo, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB,
+                    min(tmax, _TB), _JC)
+    return torch.from_numpy(out)
+
+
 def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
     """x float32 [T, C] (any T >= 0), packed/scale as in ``decode_mxfp4`` for a logical
     weight [R, C]. Returns float32 [T, R] = x @ decode(packed, scale).T, fused: rows are
@@ -359,18 +400,7 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
     if C != 2 * P:
         raise ValueError(f"shape mismatch: x is [{T}, {C}] but packed [{R}, {P}] holds a "
                          f"[{R}, {2 * P}] weight (in-features differ)")
-    out = np.empty((T, R), dtype=np.float32)
-    if T and R:
-        if P == 0:
-            out[:] = 0.0
-        else:
-            xe = np.ascontiguousarray(xn[:, 0::2])
-            xo = np.ascontiguousarray(xn[:, 1::2])
-            if T == 1:
-                _launch(_mxfp4_gemv, R * C, xe[0], xo[0], p, s, out[0], _RB1)
-            else:
-                _launch(_mxfp4_gemm, T * R * C, xe, xo, p, s, out, _RB, min(T, _TB), _JC)
-    res = torch.from_numpy(out)
+    res = mxfp4_grouped(xn, [(p, s)]).view(T, R)
     return res[0] if was_1d else res
 
 
