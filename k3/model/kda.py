@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..config import KDA_L2_EPS
-from .ops import l2_norm, linear, short_conv, sigmoid, softplus, vec
+from .fused import kda_decay_state, kda_delta_update
+from .ops import l2_norm, linear, linears, rms_norm, short_convs, sigmoid, softplus, vec
 
 CHUNK = 16
 # Below this many tokens the recurrent form is used even for prefill.
@@ -40,13 +41,13 @@ def kda_recurrent(q, k, v, g, beta, state):
     beta [T, H], state [H, dk, dv] or None. Returns (o [T, H, dv], state)."""
     T, H, dk = k.shape
     dv = v.shape[-1]
-    S = q.new_zeros(H, dk, dv) if state is None else state.clone()
+    S = q.new_zeros(H, dk, dv) if state is None else state  # never written: each step makes a new S
     out = q.new_empty(T, H, dv)
     for t in range(T):
-        S = S * torch.exp(g[t]).unsqueeze(-1)
+        S = kda_decay_state(S, torch.exp(g[t]))  # S * exp(g_t), a new tensor
         kt = k[t]
         u = torch.einsum("hkv,hk->hv", S, kt)
-        S = S + kt.unsqueeze(-1) * (beta[t].unsqueeze(-1) * (v[t] - u)).unsqueeze(1)
+        kda_delta_update(S, kt, beta[t], v[t], u)  # S += k_t (beta_t (v_t - u))^T, in place
         out[t] = torch.einsum("hkv,hk->hv", S, q[t])
     return out, S
 
@@ -125,16 +126,18 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     T = x.shape[0]
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     st = st if st is not None else KDAState()
-    q_in, k_in, v_in = (linear(x, w[f"self_attn.{n}_proj.weight"]) for n in "qkv")
-    q, st.conv_q = short_conv(q_in, w["self_attn.q_conv1d.weight"], st.conv_q)
-    k, st.conv_k = short_conv(k_in, w["self_attn.k_conv1d.weight"], st.conv_k)
-    v, st.conv_v = short_conv(v_in, w["self_attn.v_conv1d.weight"], st.conv_v)
+    # every projection of x in one kernel call
+    gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
+    q_in, k_in, v_in, f_a, b, z = linears(x, [w[f"self_attn.{n}.weight"] for n in (
+        "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]])
+    (q, k, v), (st.conv_q, st.conv_k, st.conv_v) = short_convs(
+        [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v])
     q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS) * (D ** -0.5)
     k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
     v = v.reshape(T, H, -1)
-    u = linear(linear(x, w["self_attn.f_a_proj.weight"]), w["self_attn.f_b_proj.weight"])
+    u = linear(f_a, w["self_attn.f_b_proj.weight"])
     g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
-    beta = sigmoid(linear(x, w["self_attn.b_proj.weight"]))  # [T, H]
+    beta = sigmoid(b)  # [T, H]
     if chunked is None:
         chunked = T >= CHUNK_MIN_T
     if st.record is not None:  # a pass that may be rolled back (speculative verification)
@@ -143,12 +146,9 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
                          conv_len=w["self_attn.q_conv1d.weight"].shape[-1] - 1)
     fn = kda_chunked if chunked else kda_recurrent
     o, st.S = fn(q, k, v, g, beta, st.S)
-    if cfg.kda_full_rank_gate:
-        z = linear(x, w["self_attn.g_proj.weight"])
-    else:
-        z = linear(linear(x, w["self_attn.g_a_proj.weight"]), w["self_attn.g_b_proj.weight"])
+    if not cfg.kda_full_rank_gate:
+        z = linear(z, w["self_attn.g_b_proj.weight"])
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
-    ms = o.double().square().mean(-1, keepdim=True)
-    o = o * torch.rsqrt(ms + cfg.rms_norm_eps).to(torch.float32) * vec(w["self_attn.o_norm.weight"])
+    o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
     o = o.reshape(T, -1) * sigmoid(z)
     return linear(o, w["self_attn.o_proj.weight"])

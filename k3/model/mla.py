@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .ops import linear, rms_norm, sigmoid
+from .ops import linear, linears, rms_norm, sigmoid
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
 K_TILE = 2048
@@ -121,13 +121,15 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     state's KV form (expanded when there is no state)."""
     T = x.shape[0]
     H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    if cfg.q_lora_rank is not None:
-        cq = rms_norm(linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], cfg.mla_norm_eps)
-        q = linear(cq, w["self_attn.q_b_proj.weight"])
-    else:
-        q = linear(x, w["self_attn.q_proj.weight"])
+    # every projection of x in one kernel call
+    lora = cfg.q_lora_rank is not None
+    ws = [w["self_attn.q_a_proj.weight" if lora else "self_attn.q_proj.weight"], w["self_attn.kv_a_proj_with_mqa.weight"]]
+    if cfg.mla_use_output_gate:
+        ws.append(w["self_attn.g_proj.weight"])
+    q, ckv, *gate = linears(x, ws)  # ckv [T, kv_lora + rope]
+    if lora:
+        q = linear(rms_norm(q, w["self_attn.q_a_layernorm.weight"], cfg.mla_norm_eps), w["self_attn.q_b_proj.weight"])
     q = q.reshape(T, H, nope + rope)
-    ckv = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])  # [T, kv_lora + rope]
     c, k_pe = ckv[:, : cfg.kv_lora_rank], ckv[:, cfg.kv_lora_rank:]
     c = rms_norm(c, w["self_attn.kv_a_layernorm.weight"], cfg.mla_norm_eps)
     scale = (nope + rope) ** -0.5
@@ -144,7 +146,7 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
         st.append(torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, H, rope)], -1), kv[..., nope:])
         o = attend(q, st.k, st.v, past, scale).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
-        o = o * sigmoid(linear(x, w["self_attn.g_proj.weight"]))
+        o = o * sigmoid(gate[0])
     return linear(o, w["self_attn.o_proj.weight"])
 
 

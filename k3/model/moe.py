@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm, sigmoid, vec, weighted_sum
+from .fused import weighted_sum
+from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm, sigmoid, vec
 
 
 def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

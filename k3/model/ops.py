@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .fused import scale_rows, short_conv_sum, weighted_sum
 from .weights import Mxfp4Weight
 
 
@@ -96,11 +97,9 @@ def vec(w: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """w * x / sqrt(mean(x^2) + eps); the mean of squares accumulated in fp64."""
-    ms = x.double().square().mean(-1, keepdim=True)
-    inv = torch.rsqrt(ms + eps).to(torch.float32)
-    y = x * inv
-    return y if w is None else y * vec(w)
+    """w * x / sqrt(mean(x^2) + eps); the mean of squares accumulated in fp64 (by torch),
+    the scaling fused."""
+    return scale_rows(x, x.double().square().mean(-1), eps, None if w is None else vec(w))
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -129,35 +128,37 @@ def mlp(cfg, x, gate_w, up_w, down_w, gu=None) -> torch.Tensor:
     return linear(glu_act(cfg, g, u), down_w)
 
 
+def short_convs(xs, ws, states):
+    """Causal depthwise conv + SiLU of several streams (KDA's q, k, v), one SiLU over all
+    of them. Per stream: x [T, C]; w [C, 1, K] (w[:, 0, K-1] multiplies the current
+    token); state [K-1, C] = the previous K-1 inputs (None: zeros, sequence start).
+    Returns ([out [T, C]], [new_state [K-1, C]])."""
+    cs = [x.shape[1] for x in xs]
+    acc = torch.empty(xs[0].shape[0], sum(cs))
+    new, off = [], 0
+    for x, w, st, c in zip(xs, ws, states, cs):
+        wk = vec(w).reshape(c, -1)
+        ns = short_conv_sum(x, wk, st, acc[:, off:off + c])
+        new.append(ns if wk.shape[1] > 1 else st)
+        off += c
+    y = silu(acc)
+    outs, off = [], 0
+    for c in cs:
+        outs.append(y[:, off:off + c])
+        off += c
+    return outs, new
+
+
 def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
-    """Causal depthwise conv + SiLU. x [T, C]; w [C, 1, K] (w[:, 0, K-1] multiplies the
-    current token); state [K-1, C] = the previous K-1 inputs (zeros at sequence start).
+    """Causal depthwise conv + SiLU of one stream (see short_convs).
     Returns (out [T, C], new_state [K-1, C])."""
-    T, C = x.shape
-    wk = vec(w).reshape(C, -1)
-    K = wk.shape[1]
-    if state is None:
-        state = x.new_zeros(K - 1, C)
-    z = torch.cat([state, x], 0)  # [K-1+T, C]
-    acc = torch.zeros_like(x)
-    for j in range(K):
-        acc = acc + z[j:j + T] * wk[:, j]
-    return silu(acc), z[T:].clone() if K > 1 else state
-
-
-def weighted_sum(c: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-    """sum_j c[:, j] * wts[:, j] for c [T, k, d], wts [T, k]: the products rounded, then
-    added left to right (j = 0, 1, ...), the top-k order."""
-    r = c[:, 0] * wts[:, :1]
-    for j in range(1, c.shape[1]):
-        r = r + c[:, j] * wts[:, j:j + 1]
-    return r
+    (y,), (st,) = short_convs([x], [w], [state])
+    return y, st
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (sum, not mean)."""
-    ss = x.double().square().sum(-1, keepdim=True)
-    return x * torch.rsqrt(ss + eps).to(torch.float32)
+    """x / sqrt(sum(x^2) + eps) over the last dim (sum, not mean); the sum in fp64."""
+    return scale_rows(x, x.double().square().sum(-1), eps)
 
 
 def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,7 +172,4 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     # along a contiguous last dim (one row per token): a batched matrix-vector product
     # (`normed @ w`) and a softmax over a leading dim both depend on the thread count.
     a = torch.softmax((normed * w).sum(-1).T.contiguous(), dim=-1)  # [T, S]
-    out = sources[0] * a[:, :1]
-    for j in range(1, len(sources)):  # fixed summation order
-        out = out + sources[j] * a[:, j:j + 1]
-    return out
+    return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...

@@ -466,8 +466,9 @@ def _as_f32_activations(x, name="x"):
     return np.ascontiguousarray(xn), was_1d
 
 
-def _as_bf16_bits(w):
-    """w: torch.bfloat16 [N, K] (or numpy uint16/int16 bit patterns) -> numpy, zero-copy."""
+def _bf16_matrix(w) -> tuple[int, int, int]:
+    """w: torch.bfloat16 [N, K] (or numpy uint16/int16 bit patterns), contiguous ->
+    (address, N, K). Nothing is converted: a weight's bytes are read where they lie."""
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu":
             raise ValueError(f"w must be a CPU tensor, got device {w.device}")
@@ -478,7 +479,7 @@ def _as_bf16_bits(w):
         if not w.is_contiguous():
             raise ValueError("w must be contiguous (make it contiguous once at load time; "
                              "bf16_linear never copies a weight matrix)")
-        return w.detach().view(torch.int16).numpy()
+        return w.data_ptr(), w.shape[0], w.shape[1]
     if isinstance(w, np.ndarray):
         if w.dtype not in (np.uint16, np.int16):
             raise ValueError(f"numpy w must hold bf16 bit patterns as uint16/int16, got {w.dtype}")
@@ -486,13 +487,8 @@ def _as_bf16_bits(w):
             raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
         if not w.flags.c_contiguous:
             raise ValueError("w must be C-contiguous")
-        return w.view(np.int16)  # one kernel specialisation for both spellings
+        return w.ctypes.data, w.shape[0], w.shape[1]
     raise ValueError(f"w must be a torch.bfloat16 tensor, got {type(w).__name__}")
-
-
-def address(a) -> int:
-    """Address of the first element of a CPU torch tensor or numpy array."""
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
 def job_table(M: int, K: int, ns, addrs, rows=None) -> tuple[np.ndarray, int, int, int]:
@@ -528,11 +524,11 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
     ``bf16_linear(x[x0:x1], W_g)``, whatever the grouping, tokens or thread count."""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
-    wbs = [_as_bf16_bits(w) for w in ws]
-    for g, wb in enumerate(wbs):
-        if wb.shape[1] != K:
-            raise ValueError(f"shape mismatch: x is [{M}, {K}] but matrix {g} is {list(wb.shape)} (in-features differ)")
-    jobs, total, work, tmax = job_table(M, K, [wb.shape[0] for wb in wbs], [address(wb) for wb in wbs], rows)
+    mats = [_bf16_matrix(w) for w in ws]
+    for g, (_, n, k) in enumerate(mats):
+        if k != K:
+            raise ValueError(f"shape mismatch: x is [{M}, {K}] but matrix {g} is [{n}, {k}] (in-features differ)")
+    jobs, total, work, tmax = job_table(M, K, [n for _, n, _ in mats], [a for a, _, _ in mats], rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if K == 0:
@@ -553,10 +549,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Summation order: the canonical order of the module docstring, so the result is
     bit-identical for any thread count and any number of tokens sharing the call."""
     xn, was_1d = _as_f32_activations(x)
-    wb = _as_bf16_bits(w)
+    _, N, Kw = _bf16_matrix(w)
     T, K = xn.shape
-    N, Kw = wb.shape
     if Kw != K:
         raise ValueError(f"shape mismatch: x is [{T}, {K}] but w is [{N}, {Kw}] (in-features differ)")
-    res = bf16_grouped(xn, [wb]).view(T, N)
+    res = bf16_grouped(xn, [w]).view(T, N)
     return res[0] if was_1d else res

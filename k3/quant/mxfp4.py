@@ -46,7 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum,
-                   _vfma, _vload, _vstore, _zero, address, address_intrinsic, as_cpu_array, counted_loop, job_blocks,
+                   _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks,
                    job_table, make_vdot)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
@@ -340,6 +340,33 @@ def _check_packed_scale(packed, scale):
     return p, s
 
 
+def _u8_matrix(a, name) -> tuple[int, tuple]:
+    """(address, shape) of a C-contiguous 2-D uint8 CPU tensor or numpy array, without
+    converting it (the checks of ``_as_u8``)."""
+    if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dtype == torch.uint8:
+        if a.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
+        if not a.is_contiguous():
+            raise ValueError(f"{name} must be C-contiguous (packed weights are never copied per call)")
+        return a.data_ptr(), tuple(a.shape)
+    a = _as_u8(a, name)
+    return a.ctypes.data, a.shape
+
+
+def _mxfp4_matrix(packed, scale) -> tuple[int, int, int, int]:
+    """(packed address, scale address, R, P) of a packed weight [R, 2P], checked as
+    ``_check_packed_scale`` checks it."""
+    pa, (R, P) = _u8_matrix(packed, "packed")
+    sa, sshape = _u8_matrix(scale, "scale")
+    if (2 * P) % GROUP != 0:
+        raise ValueError(f"logical width C = 2 * {P} = {2 * P} is not a multiple of {GROUP} "
+                         f"(packed is [{R}, {P}])")
+    if sshape != (R, (2 * P) // GROUP):
+        raise ValueError(f"scale shape {tuple(sshape)} inconsistent with packed [{R}, {P}]: "
+                         f"expected [{R}, {(2 * P) // GROUP}] (one byte per {GROUP} elements)")
+    return pa, sa, R, P
+
+
 def decode_mxfp4(packed, scale) -> torch.Tensor:
     """packed uint8 [R, C/2] (torch or numpy), scale uint8 [R, C/32] -> float32 [R, C], bit-exact.
 
@@ -365,16 +392,12 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     ``mxfp4_linear(x[x0:x1], packed_g, scale_g)`` (canonical order)."""
     xn, _ = _as_f32_activations(x)
     M, C = xn.shape
-    ps = []
-    for g, w in enumerate(ws):
-        pk, sc = (w.packed, w.scale) if hasattr(w, "packed") else w
-        p, s = _check_packed_scale(pk, sc)
-        if C != 2 * p.shape[1]:
-            raise ValueError(f"shape mismatch: x is [{M}, {C}] but weight {g} (packed {list(p.shape)}) holds a "
-                             f"[{p.shape[0]}, {2 * p.shape[1]}] weight (in-features differ)")
-        ps.append((p, s))
-    jobs, total, work, tmax = job_table(M, C, [p.shape[0] for p, _ in ps],
-                                        [(address(p), address(s)) for p, s in ps], rows)
+    mats = [_mxfp4_matrix(*((w.packed, w.scale) if hasattr(w, "packed") else w)) for w in ws]
+    for g, (_, _, R, P) in enumerate(mats):
+        if C != 2 * P:
+            raise ValueError(f"shape mismatch: x is [{M}, {C}] but weight {g} (packed [{R}, {P}]) holds a "
+                             f"[{R}, {2 * P}] weight (in-features differ)")
+    jobs, total, work, tmax = job_table(M, C, [m[2] for m in mats], [(m[0], m[1]) for m in mats], rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if C == 0:
@@ -394,13 +417,12 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
     decoded a few at a time into a small scratch, never the full matrix. A 1-D x [C]
     gives a 1-D result [R]. Bit-identical for any thread count and any T (module doc)."""
     xn, was_1d = _as_f32_activations(x)
-    p, s = _check_packed_scale(packed, scale)
+    _, _, R, P = _mxfp4_matrix(packed, scale)
     T, C = xn.shape
-    R, P = p.shape
     if C != 2 * P:
         raise ValueError(f"shape mismatch: x is [{T}, {C}] but packed [{R}, {P}] holds a "
                          f"[{R}, {2 * P}] weight (in-features differ)")
-    res = mxfp4_grouped(xn, [(p, s)]).view(T, R)
+    res = mxfp4_grouped(xn, [(packed, scale)]).view(T, R)
     return res[0] if was_1d else res
 
 

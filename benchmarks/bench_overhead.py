@@ -1,0 +1,241 @@
+"""Per-token overhead: how close decode runs to the time its weight bytes need.
+
+For each model (synthetic presets, generated once), everything resident and every
+expert read in before timing:
+
+  s/token      incremental decode, mean of the decode steps of a rep (the prefill
+               step excluded)
+  bytes/token  weight bytes one decode step reads: every trunk tensor of every layer,
+               top-k routed experts per MoE layer, lm_head and the final norms (one
+               embedding row is left out)
+  bw           memory read bandwidth measured now: best of 5 reads of a 1 GiB fp32
+               buffer (torch.sum on the decode's threads); a copy (torch copy_, 2 bytes
+               counted per byte copied, as STREAM does) is reported beside it
+  bound        bytes/token / bw: the memory-bound time of a step
+  ratio        s/token / bound
+  kernels/layer, torch ops/layer
+               numba kernel launches and torch (aten) ops of one decode step, counted in
+               a separate untimed step, divided by the layers
+
+One TSV row per rep (benchmarks/results/overhead.tsv), with the CPU flags and the
+1-minute load average before and after. The code measured is the tree this script
+lives in (run a copy of it in another worktree to measure that tree).
+
+    python benchmarks/bench_overhead.py [--arms tiny-k3,small-kimi_linear,...] [--reps 3] [--gen 16]
+                                        [--threads 2] [--cache DIR] [--tsv FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (docs/PERFORMANCE.md)
+
+import torch  # noqa: E402
+
+import k3  # noqa: E402
+from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
+
+#: arm -> (preset, arch, layers, experts); realdims-kimi_linear has Kimi-Linear-48B's
+#: per-tensor shapes with 4 layers (dense KDA layer 0, KDA, KDA, MLA) and 16 experts
+ARMS = {
+    "tiny-k3": ("tiny", "k3", None, None),
+    "tiny-kimi_linear": ("tiny", "kimi_linear", None, None),
+    "small-k3": ("small", "k3", None, None),
+    "small-kimi_linear": ("small", "kimi_linear", None, None),
+    "realdims-kimi_linear": ("realdims", "kimi_linear", 4, 16),
+    "realdims-k3": ("realdims", "k3", 4, 32),
+}
+DEFAULT_ARMS = "tiny-k3,tiny-kimi_linear,small-k3,small-kimi_linear,realdims-kimi_linear"
+GIB = 1 << 30
+
+
+def ensure_model(cache: Path, arm: str) -> Path:
+    preset, arch, layers, experts = ARMS[arm]
+    d = cache / arm
+    if not (d / "model.safetensors.index.json").is_file():
+        from k3 import synth
+        print(f"generating {arm} into {d} ...", file=sys.stderr)
+        synth.synthesize(d, preset=preset, arch=arch, seed=0, layers=layers, experts=experts)
+    return d
+
+
+def bandwidth(reps: int = 5) -> tuple[float, float]:
+    """(read, copy) GB/s: best of ``reps`` over a 1 GiB fp32 buffer."""
+    a = torch.ones(GIB // 4)
+    b = torch.empty_like(a)
+    read = copy = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        float(a.sum())
+        read = max(read, GIB / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        copy = max(copy, 2 * GIB / (time.perf_counter() - t0) / 1e9)
+    return read, copy
+
+
+def _nbytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    if hasattr(w, "nbytes"):  # Mxfp4Weight
+        return int(w.nbytes)
+    return sum(_nbytes(c) for c in w.chunks())
+
+
+def bytes_per_token(eng) -> int:
+    """Weight bytes one decode step reads (see the module docstring)."""
+    cfg, prov = eng.cfg, eng.provider
+    total = 0
+    for i in range(eng.n_layers):
+        total += sum(_nbytes(t) for t in prov.layer(i).values())
+        prov.release_layer(i)
+        if cfg.is_moe(i):
+            group = next(iter(prov.expert_groups(i, [0])))
+            ew = group[0]
+            total += cfg.num_experts_per_token * sum(_nbytes(w) for w in (ew.w1, ew.w2, ew.w3))
+    for name in ("norm.weight", "lm_head.weight", "output_attn_res_norm.weight", "output_attn_res_proj.weight"):
+        try:
+            total += _nbytes(prov.global_weight(name))
+        except KeyError:
+            pass
+    return total
+
+
+class Counter:
+    """Counts numba kernel launches (k3.quant's _launch) and torch aten ops."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        import k3.quant.bf16 as b
+        import k3.quant.mxfp4 as m
+        self.kernels = 0
+        self.mods = [mod for mod in (b, m) if hasattr(mod, "_launch")]
+        self.orig = [mod._launch for mod in self.mods]
+        counter = self
+
+        class Ops(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Ops.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.Ops = Ops
+
+        def launch(orig):
+            def f(*a, **k):
+                counter.kernels += 1
+                return orig(*a, **k)
+            return f
+
+        self.patched = [launch(o) for o in self.orig]
+
+    def count(self, fn) -> tuple[int, int]:
+        self.kernels = 0
+        self.Ops.n = 0
+        for mod, p in zip(self.mods, self.patched):
+            mod._launch = p
+        try:
+            with self.Ops():
+                fn()
+        finally:
+            for mod, o in zip(self.mods, self.orig):
+                mod._launch = o
+        return self.kernels, self.Ops.n
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def measure(arm: str, d: Path, args, tsv: Tsv, bw: tuple[float, float], flags: str, rev: str) -> list[float]:
+    eng = k3.load(d, threads=args.threads, max_context=args.prompt_len + args.gen + 16, log=lambda *a, **k: None)
+    try:
+        cfg, prov = eng.cfg, eng.provider
+        n_experts = sum(cfg.num_experts for i in range(eng.n_layers) if cfg.is_moe(i))
+        if prov.cache.n_slots < n_experts:
+            print(f"{arm}: the plan cannot hold every expert; skipped (this measures resident decode)", file=sys.stderr)
+            return []
+        for i in range(eng.n_layers):  # every expert resident before timing
+            if cfg.is_moe(i):
+                for _ in prov.expert_groups(i, range(cfg.num_experts)):
+                    pass
+        nbytes = bytes_per_token(eng)
+        bound = nbytes / (bw[0] * 1e9)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, cfg.vocab_size - 256, (args.prompt_len,), generator=g).tolist()
+        st = eng.new_state()  # warm-up: kernels, allocator
+        steps = list(eng.decode(prompt, state=st, max_tokens=3))
+        kern, ops = Counter().count(lambda: list(eng.decode([steps[-1].token], state=st, max_tokens=1)))
+        out = []
+        for rep in range(args.reps):
+            l0 = loadavg()
+            steps = list(eng.decode(prompt, state=eng.new_state(), max_tokens=args.gen + 1))
+            l1 = loadavg()
+            dec = [s.seconds for s in steps[1:]]
+            spt = statistics.mean(dec)
+            out.append(spt)
+            tsv.add(arm=arm, code=rev, layers=eng.n_layers, rep=rep, threads=args.threads, tokens=len(dec),
+                    s_per_token=spt, s_median=statistics.median(dec), bytes_per_token=nbytes, bw_read_gbs=bw[0],
+                    bw_copy_gbs=bw[1], bound_s=bound, ratio=spt / bound, kernels_per_layer=kern / eng.n_layers,
+                    torch_ops_per_layer=ops / eng.n_layers, load_before=l0, load_after=l1, cpu=flags)
+            print(f"{arm:22} rep {rep}: {spt * 1e3:8.2f} ms/token  bound {bound * 1e3:7.2f} ms  ratio {spt / bound:6.2f}  "
+                  f"kernels/layer {kern / eng.n_layers:5.1f}  torch ops/layer {ops / eng.n_layers:6.1f}  "
+                  f"load {l0:.1f}->{l1:.1f}", file=sys.stderr)
+        return out
+    finally:
+        eng.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of: {', '.join(ARMS)}")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=16, help="decode steps timed per rep")
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", default=None, help="where the synthetic models live (default ~/.cache/k3/overhead)")
+    ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "overhead.tsv"))
+    args = ap.parse_args(argv)
+    from k3 import env
+    cache = Path(args.cache) if args.cache else env.cache_dir() / "overhead"
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
+    dirs = {a: ensure_model(cache, a) for a in arms}
+    torch.set_num_threads(args.threads)
+    bw = bandwidth()
+    flags, rev = cpu_flags(), git_rev()
+    print(f"code {rev}; memory read {bw[0]:.1f} GB/s, copy {bw[1]:.1f} GB/s; {flags}", file=sys.stderr)
+    tsv = Tsv(Path(args.tsv), ["arm", "code", "layers", "rep", "threads", "tokens", "s_per_token", "s_median",
+                               "bytes_per_token", "bw_read_gbs", "bw_copy_gbs", "bound_s", "ratio",
+                               "kernels_per_layer", "torch_ops_per_layer", "load_before", "load_after", "cpu"])
+    summary = []
+    for a in arms:
+        spts = measure(a, dirs[a], args, tsv, bw, flags, rev)
+        if spts:
+            summary.append((a, statistics.mean(spts), min(spts), max(spts)))
+    print("\narm                    mean ms/token   min     max", file=sys.stderr)
+    for a, m, lo, hi in summary:
+        print(f"{a:22} {m * 1e3:10.2f} {lo * 1e3:8.2f} {hi * 1e3:8.2f}", file=sys.stderr)
+    print(f"wrote {args.tsv} (run {tsv.run})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
