@@ -60,6 +60,15 @@ class Breakdown:
             self.t[cat] += time.perf_counter() - t0
             return y
 
+        orig_grouped = ops_mod.grouped_linear
+
+        def grouped_linear(x, ws, rows=None):
+            t0 = time.perf_counter()
+            y = orig_grouped(x, ws, rows)
+            expert = any(isinstance(w, Mxfp4Weight) or id(w) in self.expert_ids for w in ws)
+            self.t["experts" if expert else "trunk"] += time.perf_counter() - t0
+            return y
+
         def timed(fn, cat):
             def f(*a, **k):
                 t0 = time.perf_counter()
@@ -71,9 +80,12 @@ class Breakdown:
         provider.expert_groups = expert_groups
         for m in (ops_mod, kda_mod, mla_mod, moe_mod, stack_mod):
             m.linear = linear
+        for m in (ops_mod, moe_mod):  # several matrices in one kernel call
+            m.grouped_linear = grouped_linear
         kda_mod.kda_recurrent = timed(kda_mod.kda_recurrent, "attention")
         kda_mod.kda_chunked = timed(kda_mod.kda_chunked, "attention")
         mla_mod.attend = timed(mla_mod.attend, "attention")
+        mla_mod.attend_latent = timed(mla_mod.attend_latent, "attention")
 
     def take(self) -> dict:
         d = dict(self.t)

@@ -138,8 +138,7 @@ def short_convs(xs, ws, states):
     new, off = [], 0
     for x, w, st, c in zip(xs, ws, states, cs):
         wk = vec(w).reshape(c, -1)
-        ns = short_conv_sum(x, wk, st, acc[:, off:off + c])
-        new.append(ns if wk.shape[1] > 1 else st)
+        new.append(short_conv_sum(x, wk, st, acc[:, off:off + c]))
         off += c
     y = silu(acc)
     outs, off = [], 0

@@ -1,0 +1,271 @@
+"""The grouped and fused paths of issue 15 against the plain per-expert / per-op paths,
+bit for bit (torch.equal on the float bits), on random inputs: BF16 and MXFP4 weights,
+one token and several, one thread and two.
+
+The references are the code as it was before the fusion: ``linear`` per matrix,
+``routed_experts_reference`` (one expert at a time), and the torch op chains written
+out below."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3.config import parse_config
+from k3.model import fused, kda, ops
+from k3.model.moe import routed_experts, routed_experts_reference
+from k3.model.weights import DictWeights, Mxfp4Weight
+from k3.quant import bf16_grouped, get_num_threads, max_threads, mxfp4_grouped, set_num_threads
+from k3.quant.mxfp4 import encode_mxfp4
+from k3.synth import build_config
+
+THREADS = [1, 2] if max_threads() >= 2 else [1]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same float32 bits (so -0.0 != +0.0 and NaNs compare by payload)."""
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.fixture(params=THREADS, ids=lambda n: f"threads{n}")
+def threads(request):
+    before, tb = get_num_threads(), torch.get_num_threads()
+    set_num_threads(request.param)
+    torch.set_num_threads(request.param)
+    yield request.param
+    set_num_threads(before)
+    torch.set_num_threads(tb)
+
+
+def _bf16(g, n, k):
+    return (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+
+
+def _mxfp4(g, n, k):
+    return Mxfp4Weight(*encode_mxfp4(torch.randn(n, k, generator=g) / k ** 0.5))
+
+
+def _x(g, t, k):
+    x = torch.randn(t, k, generator=g)
+    x[0, :3] = torch.tensor([0.0, -0.0, 1e-30])  # signed zeros and a tiny value ride along
+    return x
+
+
+# ------------------------------------------------------------------ grouped linears
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 3, 70])
+def test_grouped_linear_equals_one_call_per_matrix(fmt, T, threads):
+    g = torch.Generator().manual_seed(T)
+    K = 64 * 6 + 32                      # a tail after the 64-lane steps
+    make = _bf16 if fmt == "bf16" else _mxfp4
+    ws = [make(g, n, K) for n in (5, 64, 33, 1, 1100)]  # 1100: enough work for two threads at T = 1
+    x = _x(g, T, K)
+    # every matrix on all rows, then each on its own row range (the MoE's layout)
+    outs = ops.linears(x, ws)
+    for w, y in zip(ws, outs):
+        assert same(y, ops.linear(x, w))
+    rows = [(0, T), (T // 2, T), (0, 1), (T - 1, T), (0, 0)]
+    grouped = bf16_grouped if fmt == "bf16" else mxfp4_grouped
+    flat = grouped(x, ws, rows)
+    off = 0
+    for w, (a, b) in zip(ws, rows):
+        n = w.shape[0]
+        got = flat[off:off + (b - a) * n].view(b - a, n)
+        off += (b - a) * n
+        assert same(got, ops.linear(x[a:b], w))
+    assert off == flat.numel()
+
+
+def test_grouped_linear_refuses_mismatched_inputs():
+    w = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in-features"):
+        bf16_grouped(torch.zeros(2, 32), [w])
+    with pytest.raises(ValueError, match="outside"):
+        bf16_grouped(torch.zeros(2, 64), [w], [(1, 3)])
+    p, s = encode_mxfp4(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match="in-features"):
+        mxfp4_grouped(torch.zeros(2, 32), [(p, s)])
+    # weights that share no kernel format go one by one, with the same bits
+    x = torch.randn(2, 64)
+    f32 = torch.randn(3, 64)
+    assert ops.grouped_linear(x, [w, f32]) is None
+    a, b = ops.linears(x, [w, f32])
+    assert same(a, ops.linear(x, w)) and same(b, ops.linear(x, f32))
+
+
+# ------------------------------------------------------------------ routed experts
+class GroupedWeights(DictWeights):
+    """Hands the experts out in small groups, in a shuffled order (as a bounded cache may)."""
+
+    def __init__(self, cfg, tensors, size):
+        super().__init__(cfg, tensors)
+        self.size = size
+
+    def expert_groups(self, i, ids):
+        ids = list(ids)
+        np.random.default_rng(len(ids)).shuffle(ids)
+        for a in range(0, len(ids), self.size):
+            yield from super().expert_groups(i, ids[a:a + self.size])
+
+
+def _moe_case(arch, fmt, seed):
+    cfg = parse_config(build_config("tiny", arch), "test")
+    g = torch.Generator().manual_seed(seed)
+    d = cfg.latent_size or cfg.hidden_size
+    inter = cfg.moe_intermediate_size
+    t = {}
+    for e in range(cfg.num_experts):
+        p = f"layers.1.block_sparse_moe.experts.{e}."
+        for name, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            if fmt == "mxfp4":
+                t[p + name + ".weight_packed"], t[p + name + ".weight_scale"] = encode_mxfp4(
+                    torch.randn(*shape, generator=g) / shape[1] ** 0.5)
+            else:
+                t[p + name + ".weight"] = _bf16(g, *shape)
+    return cfg, t, g, d
+
+
+@pytest.mark.parametrize("arch,fmt", [("k3", "mxfp4"), ("kimi_linear", "bf16"), ("k3", "bf16")])
+@pytest.mark.parametrize("T", [1, 6])
+def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads):
+    cfg, tensors, g, d = _moe_case(arch, fmt, T)
+    k = cfg.num_experts_per_token
+    z = _x(g, T, d)
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(T)])
+    ref = routed_experts_reference(cfg, z, ids, 1, DictWeights(cfg, tensors))
+    assert same(routed_experts(cfg, z, ids, 1, DictWeights(cfg, tensors)), ref)
+    assert same(routed_experts(cfg, z, ids, 1, GroupedWeights(cfg, tensors, 3)), ref)
+    # a token alone gets the bits it gets in the batch
+    assert same(routed_experts(cfg, z[-1:], ids[-1:], 1, DictWeights(cfg, tensors)), ref[-1:])
+
+
+def test_routed_experts_f32_fixture_weights_fall_back():
+    cfg, tensors, g, d = _moe_case("kimi_linear", "bf16", 0)
+    tensors = {n: v.float() for n, v in tensors.items()}
+    ids = torch.tensor([[0, 5, 2, 7], [7, 1, 0, 3]])
+    z = _x(g, 2, d)
+    ref = routed_experts_reference(cfg, z, ids, 1, DictWeights(cfg, tensors))
+    assert same(routed_experts(cfg, z, ids, 1, DictWeights(cfg, tensors)), ref)
+
+
+# ------------------------------------------------------------------ fused small ops
+# The torch chains the fused ops replaced, verbatim.
+def ref_silu(x):
+    return x / (1.0 + torch.exp(-x))
+
+
+def ref_rms_norm(x, w, eps):
+    ms = x.double().square().mean(-1, keepdim=True)
+    inv = torch.rsqrt(ms + eps).to(torch.float32)
+    y = x * inv
+    return y if w is None else y * w.to(torch.float32)
+
+
+def ref_l2_norm(x, eps):
+    ss = x.double().square().sum(-1, keepdim=True)
+    return x * torch.rsqrt(ss + eps).to(torch.float32)
+
+
+def ref_short_conv(x, w, state):
+    T, C = x.shape
+    wk = w.to(torch.float32).reshape(C, -1)
+    K = wk.shape[1]
+    if state is None:
+        state = x.new_zeros(K - 1, C)
+    z = torch.cat([state, x], 0)
+    acc = torch.zeros_like(x)
+    for j in range(K):
+        acc = acc + z[j:j + T] * wk[:, j]
+    return ref_silu(acc), z[T:].clone() if K > 1 else state
+
+
+def ref_weighted_sum(c, wts):
+    r = c[:, 0] * wts[:, :1]
+    for j in range(1, c.shape[1]):
+        r = r + c[:, j] * wts[:, j:j + 1]
+    return r
+
+
+def ref_attn_res(sources, norm_w, proj_w, eps):
+    w = norm_w.to(torch.float32).reshape(-1) * proj_w.to(torch.float32).reshape(-1)
+    V = torch.stack(sources, 0)
+    normed = ref_rms_norm(V, None, eps)
+    a = torch.softmax((normed * w).sum(-1).T.contiguous(), dim=-1)
+    out = sources[0] * a[:, :1]
+    for j in range(1, len(sources)):
+        out = out + sources[j] * a[:, j:j + 1]
+    return out
+
+
+def ref_kda_recurrent(q, k, v, g, beta, state):
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    S = q.new_zeros(H, dk, dv) if state is None else state.clone()
+    out = q.new_empty(T, H, dv)
+    for t in range(T):
+        S = S * torch.exp(g[t]).unsqueeze(-1)
+        kt = k[t]
+        u = torch.einsum("hkv,hk->hv", S, kt)
+        S = S + kt.unsqueeze(-1) * (beta[t].unsqueeze(-1) * (v[t] - u)).unsqueeze(1)
+        out[t] = torch.einsum("hkv,hk->hv", S, q[t])
+    return out, S
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_fused_norms_and_sums(T, threads):
+    g = torch.Generator().manual_seed(T)
+    d = 300
+    x = _x(g, T, d) * 3.0
+    w = 1.0 + 0.02 * torch.randn(d, generator=g)
+    for eps in (1e-5, 1e-6):
+        assert same(ops.rms_norm(x, w, eps), ref_rms_norm(x, w, eps))
+        assert same(ops.rms_norm(x, w.to(torch.bfloat16), eps), ref_rms_norm(x, w.to(torch.bfloat16), eps))
+        assert same(ops.rms_norm(x, None, eps), ref_rms_norm(x, None, eps))
+        x3 = x.reshape(T, 3, 100)
+        assert same(ops.l2_norm(x3, eps), ref_l2_norm(x3, eps))
+    c = torch.randn(T, 8, d, generator=g)
+    wts = torch.rand(T, 8, generator=g)
+    assert same(fused.weighted_sum(c, wts), ref_weighted_sum(c, wts))
+    srcs = [torch.randn(T, d, generator=g) for _ in range(4)]
+    nw, pw = 1.0 + 0.02 * torch.randn(d, generator=g), torch.randn(1, d, generator=g) / d ** 0.5
+    assert same(ops.attn_res(srcs, nw, pw, 1e-5), ref_attn_res(srcs, nw, pw, 1e-5))
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("K", [1, 4])
+def test_fused_short_conv(T, K, threads):
+    g = torch.Generator().manual_seed(T * 10 + K)
+    C = 96
+    ws = [torch.randn(C, 1, K, generator=g) for _ in range(3)]
+    ws[1] = ws[1].to(torch.bfloat16)  # Kimi-Linear stores the taps in BF16
+    xs = [_x(g, T, C) for _ in range(3)]
+    for states in ([None] * 3, [torch.randn(K - 1, C, generator=g) for _ in range(3)]):
+        outs, news = ops.short_convs(xs, ws, states)
+        for x, w, s, y, ns in zip(xs, ws, states, outs, news):
+            ry, rs = ref_short_conv(x, w, s)
+            assert same(y, ry) and same(ns, rs)
+    # the strided column views the grouped projections hand over
+    wide = _x(g, T, 3 * C)
+    y, s = ops.short_conv(wide[:, C:2 * C], ws[0], None)
+    ry, rs = ref_short_conv(wide[:, C:2 * C].contiguous(), ws[0], None)
+    assert same(y, ry) and same(s, rs)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_kda_recurrent(T, threads):
+    g = torch.Generator().manual_seed(T)
+    H, dk, dv = 3, 64, 48
+    q = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6) * dk ** -0.5
+    k = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
+    v = torch.randn(T, H, dv, generator=g)
+    gl = -torch.rand(T, H, dk, generator=g) * 2.0
+    beta = torch.rand(T, H, generator=g)
+    S0 = torch.randn(H, dk, dv, generator=g)
+    keep = S0.clone()
+    for st in (None, S0):
+        o, S = kda.kda_recurrent(q, k, v, gl, beta, st)
+        ro, rS = ref_kda_recurrent(q, k, v, gl, beta, st)
+        assert same(o, ro) and same(S, rS)
+    assert same(S0, keep)  # the carried state is never written (snapshots hold references to it)
