@@ -78,6 +78,23 @@ def test_grouped_linear_equals_one_call_per_matrix(fmt, T, threads):
     assert off == flat.numel()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("K", [384, 416])
+def test_decode_rows_equal_batch_rows_and_the_canonical_order(fmt, K, threads):
+    """T = 1 takes the in-register row dot when K has no tail (K = 384), the memory
+    accumulators otherwise; T > 1 the scratch tiles. All three give the canonical bits."""
+    from test_bf16_matmul import _emulate_canonical
+    g = torch.Generator().manual_seed(K)
+    w = (_bf16 if fmt == "bf16" else _mxfp4)(g, 40, K)
+    x = _x(g, 3, K)
+    batch = ops.linear(x, w)
+    for t in range(3):
+        assert same(ops.linear(x[t:t + 1], w), batch[t:t + 1])
+    if fmt == "bf16":
+        emu = _emulate_canonical(x.numpy(), w.float().numpy())
+        assert np.array_equal(batch.numpy().view(np.uint32), emu.view(np.uint32))
+
+
 def test_grouped_linear_refuses_mismatched_inputs():
     w = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="in-features"):

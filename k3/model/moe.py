@@ -80,6 +80,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
                     glu_act(cfg, linear(zs[a:b], ew.w1), linear(zs[a:b], ew.w3)), ew.w2)
             continue
         h = glu_act(cfg, gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter))
+        del gu  # (the planner's activation bound counts gate | up or the down output, not both)
         at = np.cumsum([0] + [b - a for a, b in rows])
         y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:])))
         contrib[torch.from_numpy(np.concatenate([order[a:b] for a, b in rows]))] = y.view(n, d)

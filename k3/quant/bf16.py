@@ -231,6 +231,52 @@ def make_vdot(nt, nr, streams, wkind):
     return intrinsic(typer)
 
 
+def tree_sum_ir(builder, v):
+    """Step 3 of the canonical order on a <64 x float> held in registers: for h = 32 ..
+    1, lanes i < h become lane i + lane i + h (the same additions as ``_tree_sum``).
+    Returns lane 0."""
+    n = LANES
+    while n > 1:
+        h = n // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+        v = builder.fadd(lo, hi)
+        n = h
+    return builder.extract_element(v, _I32(0))
+
+
+@intrinsic
+def _dot_bf16(typingctx, x, xi, w, wi, nj):
+    """x[xi] . fp32(w[wi]) over K = 64 * nj elements (no tail), the whole canonical
+    order in registers: lanes from +0.0, nj fma steps, the halving tree. The same bits
+    as ``_zero`` + ``_vdot_bf16`` + ``_tree_sum``, without a trip through memory per row
+    (which dominates short rows)."""
+    if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
+            and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
+            and w.dtype in (types.int16, types.uint16)
+            and all(isinstance(v, types.Integer) for v in (xi, wi, nj))):
+        return None
+    sig = types.float32(x, xi, w, wi, nj)
+
+    def codegen(context, builder, sig, args):
+        def i64(k):
+            return context.cast(builder, args[k], sig.args[k], types.int64)
+
+        zero = _I64(0)
+        xp = _row_ptr(context, builder, sig.args[0], args[0], i64(1), zero)
+        wp = _row_ptr(context, builder, sig.args[2], args[2], i64(3), zero)
+
+        def body(j, acc):
+            off = builder.mul(j, _I64(LANES))
+            wv = widen_bf16_vec(builder, _vload(builder, wp, off, _I16, LANES))
+            return [_vfma(builder, _vload(builder, xp, off, _F32, LANES), wv, acc[0])]
+
+        fin, = counted_loop(builder, i64(4), [ir.Constant(_VF, [0.0] * LANES)], body, "dot")
+        return tree_sum_ir(builder, fin)
+
+    return sig, codegen
+
+
 _vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming
 _vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
 _vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
@@ -375,6 +421,10 @@ def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
             acc = gv_all[tid]
             a = acc[0]
             r0 = (b - starts[g]) * rb1
+            if km == K:                               # no tail: the whole row in registers
+                for n in range(r0, min(N, r0 + rb1)):
+                    out[off + n] = _dot_bf16(x, x0, w, n, nj)
+                continue
             for n in range(r0, min(N, r0 + rb1)):
                 _zero(a)
                 _vdot_bf16(acc, (0,), x, x, (x0,), 0, w, w, (n,), 0, nj, 1, 0)
