@@ -173,6 +173,30 @@ def ref_silu(x):
     return x / (1.0 + torch.exp(-x))
 
 
+def ref_sigmoid(x):
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def ref_situ_glu(g, u, beta, linear_beta):
+    a = beta * torch.tanh(g / beta) * ref_sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return a * u
+
+
+def test_in_place_activation_chains(threads):
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 7), (3, 1000), (70, 301)]:
+        x = torch.randn(*shape, generator=g) * 30.0
+        u = torch.randn(*shape, generator=g) * 40.0
+        x.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+        assert same(ops.sigmoid(x), ref_sigmoid(x))
+        assert same(ops.silu(x), ref_silu(x))
+        for lb in (25.0, None):
+            assert same(ops.situ_glu(x, u, 4.0, lb), ref_situ_glu(x, u, 4.0, lb))
+        assert same(ops.silu_glu(x, u), ref_silu(x) * u)
+
+
 def ref_rms_norm(x, w, eps):
     ms = x.double().square().mean(-1, keepdim=True)
     inv = torch.rsqrt(ms + eps).to(torch.float32)
