@@ -17,6 +17,7 @@ conversation (:class:`k3.chat.ChatSession`) on the same loop.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,27 @@ def set_threads(n: int | None) -> int:
     torch.set_num_threads(n)
     set_num_threads(n)
     return n
+
+
+#: a forward pass over at most this many tokens runs torch's ops on one thread (the
+#: numba kernels keep every thread): its torch ops are small, and a second OpenMP pool
+#: woken beside the kernels' own costs more than it gives (docs/PERFORMANCE.md)
+SMALL_PASS = 64
+
+
+@contextlib.contextmanager
+def pass_threads(tokens: int):
+    """Torch threads for one forward pass of ``tokens`` tokens (results do not depend
+    on the thread count: docs/ARCHITECTURE.md)."""
+    n = torch.get_num_threads()
+    if n == 1 or tokens > SMALL_PASS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def warm_kernels() -> None:
@@ -457,18 +479,19 @@ class Batch:
                 r.state.record(True)
         t0 = time.perf_counter()
         try:
-            h = eng.model.hidden_batch(segments, self.observer)
-            rows, where, at = [], [], 0
-            for r, blk in zip(active, blocks):  # the rows whose logits are needed
-                at += len(blk)
-                done_reading = len(blk) - len(r.drafts) == len(r.reading)
-                if done_reading:
-                    n = 1 + len(r.drafts)
-                    where.append((len(rows), n))
-                    rows.extend(range(at - n, at))
-                else:
-                    where.append(None)
-            logits = eng.model.logits(h[rows]) if rows else None
+            with pass_threads(sum(len(b) for b in blocks)):
+                h = eng.model.hidden_batch(segments, self.observer)
+                rows, where, at = [], [], 0
+                for r, blk in zip(active, blocks):  # the rows whose logits are needed
+                    at += len(blk)
+                    done_reading = len(blk) - len(r.drafts) == len(r.reading)
+                    if done_reading:
+                        n = 1 + len(r.drafts)
+                        where.append((len(rows), n))
+                        rows.extend(range(at - n, at))
+                    else:
+                        where.append(None)
+                logits = eng.model.logits(h[rows]) if rows else None
         except BaseException as e:
             undo = isinstance(e, K3Error) or (isinstance(e, KeyboardInterrupt) and self.undo_on_interrupt)
             for (_, st), snap, r in zip(segments, snaps, active):

@@ -65,6 +65,36 @@ def test_thread_count_does_not_change_results(model):
         set_num_threads(before_n)
 
 
+def test_small_passes_run_torch_on_one_thread_and_restore_it(engine):
+    # the engine drops torch to one thread for decode-sized passes (k3.engine.pass_threads):
+    # the same tokens and logits as a pass on two threads, and the setting comes back
+    from k3 import engine as engine_mod
+    before = torch.get_num_threads()
+    seen = []
+    orig = engine.model.hidden_batch
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return orig(*a, **k)
+    try:
+        torch.set_num_threads(2)
+        engine.model.hidden_batch = spy
+        a = [(s.token, s.logits) for s in engine.decode(PROMPT, max_tokens=4, keep_logits=True)]
+        assert torch.get_num_threads() == 2
+        small = engine_mod.SMALL_PASS
+        engine_mod.SMALL_PASS = 0  # every pass on two threads
+        try:
+            b = [(s.token, s.logits) for s in engine.decode(PROMPT, max_tokens=4, keep_logits=True)]
+        finally:
+            engine_mod.SMALL_PASS = small
+    finally:
+        engine.model.hidden_batch = orig
+        torch.set_num_threads(before)
+    assert seen[:4] == [1, 1, 1, 1] and seen[4:] == [2, 2, 2, 2]
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
 def test_layers_limits_the_stack(engine, model):
     n = model.cfg.num_hidden_layers
     with open_engine(engine.model_dir, layers=2) as short_eng:
