@@ -636,7 +636,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                         available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
                         n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec,
-                        kv_latent=kv == "latent")
+                        kv_latent=kv == "latent", sequences=int(max_batch))
     for n in plan.notes:
         say(n)
     say(plan.render())

@@ -56,6 +56,34 @@ def test_batch_equals_each_sequence_alone(model_dir):
             assert r.finished and r.tokens == [t for t, _ in want[i]]
 
 
+def _state_bytes(st) -> int:
+    n = 0
+    for ls in st.layers:
+        for name in ("conv_q", "conv_k", "conv_v", "S", "_kb", "_vb"):
+            t = getattr(ls, name, None)
+            if isinstance(t, torch.Tensor):
+                n += t.numel() * t.element_size()
+    return n
+
+
+def test_the_plan_holds_the_state_of_every_sequence_in_the_batch(model_dir):
+    # the plan's recurrent state + KV rows cover what B live sequences really hold
+    B = 4
+    with open_engine(model_dir, max_context=64, max_batch=B) as eng:
+        rows = {name: n for name, n, _ in eng.plan.rows}
+        batch = eng.batch()
+        reqs = [batch.add(p[:20], max_tokens=6) for p in PROMPTS[:B]]
+        held = 0
+        while batch.active:
+            batch.step()
+            held = max(held, sum(_state_bytes(r.state) for r in reqs))
+        assert held > 0
+        assert held <= rows["recurrent state"] + rows["KV cache"]
+        with open_engine(model_dir, max_context=64, max_batch=1) as one:
+            one_rows = {name: n for name, n, _ in one.plan.rows}
+        assert rows["recurrent state"] == B * one_rows["recurrent state"]
+
+
 def test_a_long_prompt_joins_in_pieces(model_dir):
     from k3.engine import PREFILL_CHUNK
 

@@ -304,3 +304,15 @@ def test_presets_table_lists_every_preset():
     for name in ("laptop", "desktop", "workstation", "server", "max", "ultra", "auto"):
         assert name in t
     assert "3.00 / 1.00" in t and "110.00 / 109.00" in t
+
+
+def test_sequences_decoded_together_each_hold_their_recurrent_state_and_rollback_records(cfg):
+    # a batch of B sequences carries B recurrent states (and B sets of speculation
+    # records); the KV rows were already sized by the caller as B x max_context positions
+    one = rows(planner.plan(cfg, SIZES, Budgets(), tokens=TOKENS, incremental=True, available=10**13,
+                            baseline=BASE, spec=4))
+    eight = rows(planner.plan(cfg, SIZES, Budgets(), tokens=TOKENS, incremental=True, available=10**13,
+                              baseline=BASE, spec=4, sequences=8))
+    assert one["recurrent state"] == planner.recurrent_state_bytes(cfg) > 0
+    assert eight["recurrent state"] == 8 * one["recurrent state"]
+    assert eight["speculation"] == 8 * one["speculation"] > 0

@@ -523,8 +523,10 @@ def spec_bytes(cfg, n_layers: int, spec: int) -> int:
 
 
 def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
-                prefill_tokens: int, spec: int = 0, kv_latent: bool = True) -> list:
-    rows = [("recurrent state", recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32")]
+                prefill_tokens: int, spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> list:
+    each = "" if sequences == 1 else f", {sequences} sequences"
+    rows = [("recurrent state", sequences * recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32"
+             + each)]
     per = kv_bytes_per_position(cfg, n_layers, kv_latent)
     kv = tokens * per
     if kv > 0.9 * available:
@@ -543,7 +545,8 @@ def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: in
                  f"activations of {min(tokens, prefill_tokens)} tokens (prefill runs in pieces), attention "
                  "tiles, logits"))
     if spec:
-        rows.append(("speculation", spec_bytes(cfg, n_layers, spec), f"rollback records of 1 + {spec} tokens"))
+        rows.append(("speculation", sequences * spec_bytes(cfg, n_layers, spec),
+                     f"rollback records of 1 + {spec} tokens{each}"))
     rows.append(("interpreter + libs", baseline, "measured peak RSS so far + margin"))
     return rows
 
@@ -566,9 +569,10 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
          baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
-         spec: int = 0, kv_latent: bool = True) -> Plan:
+         spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> Plan:
     """The memory plan for ``budgets`` on a model of ``sizes``: a KV cache for ``tokens``
-    positions (incremental decoding holds it; full recompute rebuilds it every step), and
+    positions (incremental decoding holds it; full recompute rebuilds it every step), the
+    recurrent state (and rollback records) of ``sequences`` sequences decoded together, and
     activations for the longest piece one forward pass reads (``prefill_tokens``). Budgets the user did not fix are chosen
     here: among the plans that fit (tables resident or streamed, how much of the rest
     goes to the trunk and how much to the expert cache), the one with the fewest bytes
@@ -578,7 +582,8 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
-    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec, kv_latent)
+    fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec, kv_latent,
+                        sequences)
     room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
     table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
     floor_cache = (sizes.top_k + 1) * sizes.slot_bytes
