@@ -181,8 +181,9 @@ def test_fused_decoder_equals_decode_bit_exact():
     for C in (128, 160):                               # 160: a 16-byte tail after one 64-byte step
         R = 24
         packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
-        scale = rng.integers(0, 254, (R, C // 32), dtype=np.uint8)   # 0..253: no overflow
+        scale = rng.integers(0, 253, (R, C // 32), dtype=np.uint8)   # 0..252: no overflow
         scale[0, :] = 0
+        scale[1, :] = np.resize(np.array([1, 2, 252, 128, 126], np.uint8), C // 32)  # the factor's edge cases
         scale[2, 1] = 255
         # fma(1, -0.0, +0.0) = +0.0: the sum cannot carry a weight's zero sign
         W = decode_mxfp4(packed, scale).numpy() + np.float32(0.0)

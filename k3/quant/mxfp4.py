@@ -15,10 +15,10 @@ W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
   compressed-tensors' bf16 result.
 
 ``mxfp4_linear`` never builds the dequantised matrix. For T = 1 (decode) each 64-byte
-step of a row is decoded in SIMD registers (integer ops: nibble -> E2M1 bits, scale
-byte -> 2^(s-127) bits, one exact fp32 multiply) and consumed at once; the packed
-bytes are read exactly once. For T > 1 a block of ``_RB`` rows is decoded once into a
-small per-thread fp32 scratch (exact values, a few KiB per row) and reused for every
+step of a row is decoded in SIMD registers (in byte lanes: nibble -> 2 x its E2M1
+value as a small signed integer; widened to fp32 and multiplied by the exact factor
+2^(s-128)) and consumed at once; the packed bytes are read exactly once. For T > 1 a
+block of ``_RB`` rows is decoded the same way once into a small per-thread fp32 scratch (exact values, a few KiB per row) and reused for every
 token with 2-token x 2-row register tiles. Both paths compute the same canonical order
 of one output y[t, r] (P = C/2 bytes per row, ``LANES`` = 64 fp32 accumulators
 starting at +0.0, Pm = P - P % 64):
@@ -28,8 +28,10 @@ starting at +0.0, Pm = P - P % 64):
 2. the tail bytes p = Pm + l (l < P % 64) the same way into lane l;
 3. the halving tree of ``k3.quant.bf16`` (h = 32 .. 1), result a[0].
 
-(A zero group, scale 255, contributes signed zeros to the sum, which cannot change it:
-the accumulators start at +0.0, so the result equals decode-then-matmul bit for bit.)
+(A zero group, scale 255, and nibble 8 (-0, decoded as +0.0 in registers) contribute
+signed zeros to the sum, which cannot change it: the accumulators start at +0.0 and a
+sum that starts there is never -0.0, so the result equals decode-then-matmul bit for
+bit.)
 
 No fast-math reassociation, so the bits do not depend on the thread count, the number
 of tokens in the call (decode == prefill) or the machine's SIMD width.
@@ -113,23 +115,55 @@ _scale_f32 = _u8_to_f32(_scale_bits_ir)
 _GPJ = LANES // 16  # scale groups per 64-byte step
 
 
+def _half_scale_bits_ir(builder, s, vt):
+    """E8M0 scale bytes s (zero-extended i32 vector) -> fp32 bits of 2^(s-128), the
+    factor of the doubled E2M1 integers: 1 -> 2^-127 (0x00400000), 0 -> 2^-128
+    (0x00200000), 255 -> +0.0 (zero group)."""
+    def c(v):
+        return ir.Constant(vt, [v] * vt.count)
+    bits = builder.shl(builder.sub(s, c(1)), c(23))
+    bits = builder.select(builder.icmp_unsigned("==", s, c(1)), c(0x00400000), bits)
+    bits = builder.select(builder.icmp_unsigned("==", s, c(0)), c(0x00200000), bits)
+    return builder.select(builder.icmp_unsigned("==", s, c(255)), c(0), bits)
+
+
+def _dec2_nibble_ir(builder, n, vt):
+    """E2M1 nibbles n (<L x i8>, 0..15) -> 2 x their value as signed i8: magnitude
+    m = n & 7 -> 0 1 2 3 4 6 8 12 (= m + max(m - 4, 0) + 2 [m == 7]), negated when bit
+    3 is set. Byte lanes: a 64-byte step is one or two vector registers."""
+    def c(v):
+        return ir.Constant(vt, [v] * vt.count)
+    m = builder.and_(n, c(7))
+    over = builder.select(builder.icmp_unsigned(">", m, c(4)), builder.sub(m, c(4)), c(0))
+    seven = builder.select(builder.icmp_unsigned("==", m, c(7)), c(2), c(0))
+    r = builder.add(builder.add(m, over), seven)
+    neg = builder.icmp_unsigned("!=", builder.and_(n, c(8)), c(0))
+    return builder.select(neg, builder.sub(c(0), r), r)
+
+
 def _decode_step_ir(builder, pp, sp, j):
     """Decode bytes [64j, 64j+64) of a row: (we, wo) <64 x float> = even / odd elements,
-    scaled (exact). pp: i8* packed row, sp: i8* scale row."""
+    scaled (exact). pp: i8* packed row, sp: i8* scale row.
+
+    The nibbles are decoded in byte lanes to 2 x their E2M1 value (small integers),
+    widened to fp32 and multiplied by 2^(s-128): the same value as E2M1 * 2^(s-127),
+    exactly (both factors are exact, the product needs at most 4 significant bits),
+    except that nibble 8 (-0) gives +0.0, which no accumulator starting at +0.0 can
+    tell apart (module docstring)."""
     I64 = ir.IntType(64)
-    VI32 = ir.VectorType(ir.IntType(32), LANES)
+    VB = ir.VectorType(ir.IntType(8), LANES)
     off = builder.mul(j, I64(LANES))
-    v = builder.zext(_vload(builder, pp, off, ir.IntType(8), LANES), VI32)
-    lo = builder.and_(v, ir.Constant(VI32, [15] * LANES))
-    hi = builder.lshr(v, ir.Constant(VI32, [4] * LANES))
+    v = _vload(builder, pp, off, ir.IntType(8), LANES)
+    lo = builder.and_(v, ir.Constant(VB, [15] * LANES))
+    hi = builder.lshr(v, ir.Constant(VB, [4] * LANES))
     VS = ir.VectorType(ir.IntType(32), _GPJ)
     s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), ir.IntType(8), _GPJ), VS)
-    sc4 = builder.bitcast(_scale_bits_ir(builder, s4, VS), ir.VectorType(ir.FloatType(), _GPJ))
+    sc4 = builder.bitcast(_half_scale_bits_ir(builder, s4, VS), ir.VectorType(ir.FloatType(), _GPJ))
     mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [i // 16 for i in range(LANES)])
     sc = builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), mask)
     VF = ir.VectorType(ir.FloatType(), LANES)
-    we = builder.fmul(builder.bitcast(_dec_nibble_ir(builder, lo, VI32), VF), sc)
-    wo = builder.fmul(builder.bitcast(_dec_nibble_ir(builder, hi, VI32), VF), sc)
+    we = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF), sc)
+    wo = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF), sc)
     return we, wo
 
 
