@@ -610,6 +610,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         raise UsageError(f"{model_dir}: not a folder. Give the model folder (config.json + shards).")
     if threads is not None:
         set_threads(threads)
+    sysmem.return_large_blocks()  # before the footprint is measured: RSS stays within the plan
     cfg = load_config(config if config is not None else model_dir)
     if layers is not None and not 1 <= layers <= cfg.num_hidden_layers:
         raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {layers}.")

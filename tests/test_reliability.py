@@ -174,6 +174,36 @@ def test_a_long_prompt_stays_within_its_plan(tiny, tmp_path):
     assert res["memory_plan"]["components"]["KV cache"] > 0
 
 
+_GROWTH = """
+import sys, torch, k3
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+with k3.load(sys.argv[1], max_context=2100, prefill_chunk=1024, threads=2) as eng:
+    rows = {name: n for name, n, _ in eng.plan.rows}
+    ids = [(11 * i + 5) % 1000 for i in range(2048)]
+    list(eng.decode(ids[:4], max_tokens=1))
+    open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now
+    before = status("VmRSS")
+    list(eng.decode(ids, max_tokens=1))
+    print(status("VmHWM") - before, rows["buffers"] + rows["KV cache"])
+"""
+
+
+def test_a_long_prefill_grows_rss_by_about_what_the_plan_counts(tiny):
+    """With glibc's moving mmap threshold, a prefill's large temporaries were kept by the
+    heap and the peak RSS grew by 2.5x the activations the plan counts; the engine fixes
+    the threshold (k3.memory.sysmem.return_large_blocks)."""
+    from pathlib import Path as P
+    if not P("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    r = subprocess.run([sys.executable, "-c", _GROWTH, str(tiny)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grew, counted = map(int, r.stdout.split())
+    assert 0 < grew <= 1.25 * counted, (grew, counted)
+
+
 # ---------------------------------------------------------------- class 2: a stale packed trunk
 @pytest.fixture()
 def packed(tiny, tmp_path):

@@ -141,6 +141,25 @@ def _stat(path: str) -> dict[str, str]:
     return out
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_large_blocks(threshold: int = 1 << 20) -> bool:
+    """Make every allocation of ``threshold`` bytes or more its own mapping, handed back
+    to the system when freed. glibc by default raises its mmap threshold each time such a
+    block is freed (up to 32 MiB), after which a prefill's large temporaries come from
+    the heap and its free lists keep them resident: the peak RSS of a long prompt then
+    grows well past the activations the plan counts (docs/PERFORMANCE.md). A fixed
+    threshold stops that. Returns False where the C library is not glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+
+
 def rss_bytes() -> int:
     """Current resident set size."""
     try:
