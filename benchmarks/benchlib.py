@@ -70,6 +70,10 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
     stamp = f"{tag}-{os.getpid()}-{int(time.time() * 1000)}"
     out = workdir / f"{stamp}.json"
     log = workdir / f"{stamp}.log"
+    if len(ids) > 60_000:  # past what one command-line argument may hold
+        ids_file = workdir / f"{stamp}.ids"
+        ids_file.write_text(ids)
+        ids = f"@{ids_file}"
     cmd = [K3, "run", model, *([] if raw else ["--greedy", "--incremental", "--ids", ids, "--gen", str(gen)]),
            *flags, "--out", str(out)]
     group = None

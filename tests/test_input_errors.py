@@ -484,6 +484,24 @@ def test_bad_flag_keeps_flag_wording(capsys, model):
         assert "generation_config.json" not in err
 
 
+def test_ids_from_a_file(capsys, good, tmp_path):
+    # --ids @FILE: the same run as the ids on the command line; a missing, empty or
+    # non-id file is a usage error naming it
+    out_a, out_b = tmp_path / "a.json", tmp_path / "b.json"
+    f = tmp_path / "p.ids"
+    f.write_text(IDS.replace(",", "\n"))
+    assert main(["run", str(good), "--ids", IDS, "--gen", "3", "--greedy", "--out", str(out_a)]) == 0
+    assert main(["run", str(good), "--ids", f"@{f}", "--gen", "3", "--greedy", "--out", str(out_b)]) == 0
+    a, b = json.loads(out_a.read_text()), json.loads(out_b.read_text())
+    assert a["generated_ids"] == b["generated_ids"] and a["prompt_ids"] == b["prompt_ids"]
+    (tmp_path / "empty.ids").write_text(" \n")
+    (tmp_path / "words.ids").write_text("5, 17, seven")
+    (tmp_path / "bin.ids").write_bytes(b"5,\xff")
+    for name, word in (("missing.ids", "cannot read"), ("empty.ids", "empty"), ("words.ids", "integers"),
+                       ("bin.ids", "other than ids")):
+        run_refused(capsys, good, EXIT_USAGE, name, word, extra=("--ids", f"@{tmp_path / name}"))
+
+
 # ================================================================ 5. state files
 def rewrite_state(src: Path, dst: Path, meta_edit=None, hdr_edit=None, text: bytes | None = None) -> Path:
     raw = src.read_bytes()

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("prompt (exactly one)")
     src.add_argument("--prompt", help="prompt text (tokenized with the model folder's tiktoken.model)")
     src.add_argument("--prompt-file", help="file whose bytes are the prompt text (UTF-8)")
-    src.add_argument("--ids", help="raw token ids, comma or space separated (no tokenizer needed)")
+    src.add_argument("--ids", help="raw token ids, comma or space separated (no tokenizer needed); @FILE reads "
+                                   "them from FILE (for prompts longer than a command line holds)")
     src.add_argument("--batch", metavar="FILE",
                      help="decode many sequences together: a JSONL file, one {\"prompt\": TEXT} or {\"ids\": [...]} "
                           "a line, each with an optional \"max_tokens\"; one JSON line per sequence on stdout")
@@ -55,12 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, source: str = "--ids") -> list[int]:
     parts = [p for p in text.replace(",", " ").split() if p]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise UsageError(f"--ids must be integers separated by commas or spaces, got {text!r}.") from None
+    ids = []
+    for i, p in enumerate(parts):
+        try:
+            ids.append(int(p))
+        except ValueError:
+            shown = repr(text) if len(text) <= 200 else f"{p!r} (item {i + 1} of {len(parts)})"
+            raise UsageError(f"{source} must be integers separated by commas or spaces, got {shown}.") from None
+    return ids
 
 
 def _read_prompt(args) -> tuple[list[int], object]:
@@ -70,6 +75,19 @@ def _read_prompt(args) -> tuple[list[int], object]:
     if len(given) != 1:
         raise UsageError("give exactly one of --prompt, --prompt-file, --ids or --batch.")
     if args.ids is not None:
+        if args.ids.startswith("@"):
+            path = args.ids[1:]
+            try:
+                text = Path(path).read_text(encoding="ascii")
+            except OSError as e:
+                raise UsageError(f"{path}: cannot read the ids file given as --ids @{path} ({e.strerror}).") from None
+            except UnicodeDecodeError:
+                raise UsageError(f"{path}: the ids file holds something other than ids separated by commas or "
+                                 "spaces.") from None
+            ids = parse_ids(text, f"{path} (--ids @{path})")
+            if not ids:
+                raise UsageError(f"{path}: the ids file given as --ids @{path} is empty.")
+            return ids, None
         return parse_ids(args.ids), None
     from ..tokenizer import Tokenizer
     tok = Tokenizer(args.model)
