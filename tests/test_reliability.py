@@ -184,7 +184,12 @@ with k3.load(sys.argv[1], max_context=2100, prefill_chunk=1024, threads=2) as en
     rows = {name: n for name, n, _ in eng.plan.rows}
     ids = [(11 * i + 5) % 1000 for i in range(2048)]
     list(eng.decode(ids[:4], max_tokens=1))
-    open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # peak RSS := RSS now
+    except OSError:
+        print("skip")
+        sys.exit(0)
     before = status("VmRSS")
     list(eng.decode(ids, max_tokens=1))
     print(status("VmHWM") - before, rows["buffers"] + rows["KV cache"])
@@ -200,6 +205,8 @@ def test_a_long_prefill_grows_rss_by_about_what_the_plan_counts(tiny):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
     r = subprocess.run([sys.executable, "-c", _GROWTH, str(tiny)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.strip() == "skip":
+        pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
     grew, counted = map(int, r.stdout.split())
     assert 0 < grew <= 1.25 * counted, (grew, counted)
 
