@@ -19,8 +19,40 @@ from __future__ import annotations
 
 import numba
 
-from .bf16 import LANES, bf16_grouped, bf16_linear
-from .mxfp4 import E2M1, decode_mxfp4, mxfp4_grouped, mxfp4_linear
+
+def _preload_tbb() -> str | None:
+    """Load the oneTBB library the ``tbb`` wheel installs (``<prefix>/lib``, where numba's
+    TBB pool does not look), so that numba's default layer order (tbb, then omp) can pick
+    TBB. Its workers wake several times faster than sleeping OpenMP workers and yield to
+    other processes instead of spinning (docs/PERFORMANCE.md, "Per-token overhead").
+    Without it numba falls back to OpenMP; results are the same bits either way."""
+    import ctypes
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    candidates = []
+    try:
+        for f in metadata.files("tbb") or []:
+            if f.name == "libtbb.so.12":
+                candidates.append(Path(f.locate()))
+    except metadata.PackageNotFoundError:
+        pass
+    candidates.append(Path(sys.prefix) / "lib" / "libtbb.so.12")
+    for path in candidates:
+        if path.is_file():
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+                return str(path)
+            except OSError:
+                continue
+    return None
+
+
+TBB = _preload_tbb()
+
+from .bf16 import LANES, bf16_grouped, bf16_linear  # noqa: E402
+from .mxfp4 import E2M1, decode_mxfp4, mxfp4_grouped, mxfp4_linear  # noqa: E402
 
 __all__ = ["bf16_linear", "bf16_grouped", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "E2M1", "LANES",
            "set_num_threads", "get_num_threads", "max_threads"]
