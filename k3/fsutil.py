@@ -232,11 +232,11 @@ def path_problem(path) -> str | None:
 
 
 def read_json_file(path, *, what: str | None = None, error: type[K3Error] = ConfigError, hint: str = "",
-                   missing: str | None = None) -> object:
+                   missing: str | None = None, limit: int = MAX_JSON_FILE_BYTES) -> object:
     """The JSON value in the file `path`, strictly (loads_json). Anything wrong - the
-    path is not a regular file, unreadable, too large, not UTF-8, not JSON - is an
-    `error` (a K3Error subclass) naming the file; `missing` replaces the message for a
-    file that does not exist, `hint` is appended to the others."""
+    path is not a regular file, unreadable, larger than `limit` bytes, not UTF-8, not
+    JSON - is an `error` (a K3Error subclass) naming the file; `missing` replaces the
+    message for a file that does not exist, `hint` is appended to the others."""
     p = Path(path)
     name = what or p.name
     tail = f" {hint}" if hint else ""
@@ -247,11 +247,11 @@ def read_json_file(path, *, what: str | None = None, error: type[K3Error] = Conf
         raise error(f"{p}: {why}; {name} must be a JSON file.{tail}")
     try:
         with open(p, "rb") as fh:
-            data = fh.read(MAX_JSON_FILE_BYTES + 1)
+            data = fh.read(limit + 1)
     except OSError as e:
         raise error(f"{p}: {name} could not be read ({e.strerror or e}).{tail}") from None
-    if len(data) > MAX_JSON_FILE_BYTES:
-        raise error(f"{p}: {name} is larger than {MAX_JSON_FILE_BYTES >> 20} MiB, far more than any such file "
+    if len(data) > limit:
+        raise error(f"{p}: {name} is larger than {limit >> 20} MiB, far more than any such file "
                     f"holds; it is not the right file.{tail}")
     try:
         return loads_json(data)

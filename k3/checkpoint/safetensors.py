@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
-from ..fsutil import JSONProblem, key_name, loads_json, path_problem
+from ..fsutil import JSONProblem, key_name, loads_json, path_problem, read_json_file
 from k3.errors import CheckpointError
 
 __all__ = [
@@ -357,27 +357,8 @@ def read_index(index_path: str | os.PathLike) -> tuple[dict[str, str], dict | No
     tensor, where one is at fault). ``metadata`` is None unless it is an object."""
     index_path = os.fspath(index_path)
     redo = "Re-download the index file."
-    why = path_problem(index_path)
-    if why is not None:
-        raise CheckpointError(f"Refusing checkpoint index {index_path}: it {why}. {redo}")
-    try:
-        with open(index_path, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(
-            f"Cannot read checkpoint index {index_path}: {e.strerror or e}. Check its "
-            f"permissions or re-download it."
-        ) from None
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CheckpointError(
-            f"Refusing checkpoint index {index_path}: it is larger than {MAX_INDEX_BYTES >> 20} MiB, "
-            f"far more than an index of even K3's 500k tensors holds. {redo}"
-        )
-    try:
-        idx = loads_json(raw)
-    except JSONProblem as e:
-        extra = " (a tensor name given twice: the shard holding it is ambiguous)" if e.kind == "duplicate" else ""
-        raise CheckpointError(f"Refusing checkpoint index {index_path}: it {e.problem}{extra}. {redo}") from None
+    idx = read_json_file(index_path, what="the checkpoint index", error=CheckpointError, hint=redo,
+                         limit=MAX_INDEX_BYTES)
     if not isinstance(idx, dict):
         raise CheckpointError(
             f"Refusing checkpoint index {index_path}: it holds a JSON {type(idx).__name__}, not an object "
