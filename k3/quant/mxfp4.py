@@ -175,6 +175,21 @@ def _f32_array(t):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
 
 
+def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name):
+    """Step 1 of the canonical order in registers: for j < n, decode bytes [64j, 64j+64)
+    and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise, from the <64 x float> a0."""
+    I64 = ir.IntType(64)
+
+    def body(j, acc):
+        we, wo = _decode_step_ir(builder, pp, sp, j)
+        off = builder.mul(j, I64(LANES))
+        a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
+        return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
+
+    fin, = counted_loop(builder, n, [a0], body, name)
+    return fin
+
+
 @intrinsic
 def _vdot_mxfp4(typingctx, acc, xe, xo, pk, sc, nj):
     """Fused step 1 for one row and one token: for j < nj, decode bytes [64j, 64j+64)
@@ -189,15 +204,7 @@ def _vdot_mxfp4(typingctx, acc, xe, xo, pk, sc, nj):
         ap, xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:5], args[:5]))
         n = context.cast(builder, args[5], sig.args[5], types.int64)
         zero = I64(0)
-        a0 = _vload(builder, ap, zero, ir.FloatType(), LANES)
-
-        def body(j, acc):
-            we, wo = _decode_step_ir(builder, pp, sp, j)
-            off = builder.mul(j, I64(LANES))
-            a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
-            return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
-
-        fin, = counted_loop(builder, n, [a0], body, "vmx")
+        fin = _dot_steps_ir(builder, xep, xop, pp, sp, n, _vload(builder, ap, zero, ir.FloatType(), LANES), "vmx")
         _vstore(builder, fin, ap, zero)
         return context.get_dummy_value()
 
@@ -214,19 +221,10 @@ def _dot_mxfp4(typingctx, xe, xo, pk, sc, nj):
     sig = types.float32(xe, xo, pk, sc, nj)
 
     def codegen(context, builder, sig, args):
-        I64 = ir.IntType(64)
         xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
         n = context.cast(builder, args[4], sig.args[4], types.int64)
-
-        def body(j, acc):
-            we, wo = _decode_step_ir(builder, pp, sp, j)
-            off = builder.mul(j, I64(LANES))
-            a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
-            return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
-
         zero = ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
-        fin, = counted_loop(builder, n, [zero], body, "dmx")
-        return tree_sum_ir(builder, fin)
+        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx"))
 
     return sig, codegen
 
