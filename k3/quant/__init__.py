@@ -31,15 +31,16 @@ def _preload_tbb() -> str | None:
     from importlib import metadata
     from pathlib import Path
 
-    candidates = []
-    try:
-        for f in metadata.files("tbb") or []:
-            if f.name == "libtbb.so.12":
-                candidates.append(Path(f.locate()))
-    except metadata.PackageNotFoundError:
-        pass
-    candidates.append(Path(sys.prefix) / "lib" / "libtbb.so.12")
-    for path in candidates:
+    def candidates():
+        yield Path(sys.prefix) / "lib" / "libtbb.so.12"  # where pip puts it in a venv
+        try:  # elsewhere (a user or target install): ask the wheel's file list
+            for f in metadata.files("tbb") or []:
+                if f.name == "libtbb.so.12":
+                    yield Path(f.locate())
+        except metadata.PackageNotFoundError:
+            pass
+
+    for path in candidates():
         if path.is_file():
             try:
                 ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
