@@ -14,7 +14,8 @@ import torch
 
 from k3.config import parse_config
 from k3.model import fused, kda, ops
-from k3.model.moe import routed_experts, routed_experts_reference
+from k3.model.moe import routed_experts
+from k3.model.ops import glu_act, linear
 from k3.model.weights import DictWeights, Mxfp4Weight
 from k3.quant import bf16_grouped, get_num_threads, max_threads, mxfp4_grouped, set_num_threads
 from k3.quant.mxfp4 import encode_mxfp4
@@ -125,6 +126,20 @@ class GroupedWeights(DictWeights):
         np.random.default_rng(len(ids)).shuffle(ids)
         for a in range(0, len(ids), self.size):
             yield from super().expert_groups(i, ids[a:a + self.size])
+
+
+def routed_experts_reference(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
+    """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], one expert at a
+    time (three linear calls each). The reference ``moe.routed_experts`` must equal."""
+    T, k = ids.shape
+    uniq = sorted(set(ids.flatten().tolist()))
+    contrib = z.new_zeros(T, k, z.shape[1])
+    for group in provider.expert_groups(layer, uniq):
+        for e, ew in group.items():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y = linear(glu_act(cfg, linear(z[tok], ew.w1), linear(z[tok], ew.w3)), ew.w2)
+            contrib[tok, slot] = y
+    return contrib
 
 
 def _moe_case(arch, fmt, seed):
