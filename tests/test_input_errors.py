@@ -500,6 +500,7 @@ def test_ids_from_a_file(capsys, good, tmp_path):
     for name, word in (("missing.ids", "cannot read"), ("empty.ids", "empty"), ("words.ids", "integers"),
                        ("bin.ids", "other than ids")):
         run_refused(capsys, good, EXIT_USAGE, name, word, extra=("--ids", f"@{tmp_path / name}"))
+    run_refused(capsys, good, EXIT_USAGE, "needs the file's name", extra=("--ids", "@"))
 
 
 # ================================================================ 5. state files

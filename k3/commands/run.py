@@ -77,6 +77,8 @@ def _read_prompt(args) -> tuple[list[int], object]:
     if args.ids is not None:
         if args.ids.startswith("@"):
             path = args.ids[1:]
+            if not path:
+                raise UsageError("--ids @FILE needs the file's name after the @.")
             try:
                 text = Path(path).read_text(encoding="ascii")
             except OSError as e:
