@@ -93,7 +93,22 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    """args.fn(args), with every error turned into its exit code."""
+    """args.fn(args), with every error turned into its exit code. A pipeline rank other
+    than 0 (under torchrun) prints only its errors: rank 0 speaks for the run."""
+    launch = env.launch()
+    if launch is None or not launch[0]:
+        return _guarded(args)
+    import contextlib
+    import os
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        return _guarded(args, sys.__stderr__, f"rank {launch[0]}")
+
+
+def _guarded(args, out=None, who: str | None = None) -> int:
+    def err(msg: str) -> None:
+        if who is not None and msg.startswith("k3: "):
+            msg = f"k3 [{who}]: " + msg[len("k3: "):]
+        print(msg, file=out or sys.stderr, flush=True)
     try:
         return args.fn(args)
     except K3Error as e:

@@ -99,6 +99,7 @@ class Step:
     expert_bytes_read: int = 0
     trunk_bytes_read: int = 0
     table_bytes_read: int = 0
+    net_bytes: int = 0  # activations sent between the ranks of a pipeline (k3.pipeline), this step
     io_seconds: float = 0.0  # device time of the reads (they overlap compute)
     finish: str | None = None  # on the last step: "stop" (a stop token) or "length"
     pass_index: int = 0  # the weight pass that produced it (one pass emits several tokens with --spec)
@@ -213,6 +214,7 @@ class Engine:
         self.max_batch = max_batch  # the most sequences decoded together the plan holds
         self.prefill_chunk = prefill_chunk  # tokens of a prompt one forward pass reads
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
+        self.pipeline = None  # this process's k3.pipeline.Stage when it is one rank of several
 
     # ------------------------------------------------------------ conveniences
     @property
@@ -352,7 +354,29 @@ class Engine:
         return {"expert_cache": p.cache.stats(), "trunk": p.trunk.stats() if p.trunk is not None else {},
                 "table_bytes_read": p.table_bytes()}
 
+    def counters(self) -> dict:
+        """Cumulative I/O counters of the run (the decode loop reports their per-step
+        deltas); in a pipeline, every rank's summed, plus the bytes sent between ranks."""
+        c = self.provider.counters()
+        if self.pipeline is None:
+            return c
+        c["net_bytes"] = self.pipeline.link.sent
+        for rc in self.pipeline.remote.values():
+            for k, v in rc.items():
+                c[k] = c.get(k, 0) + v
+        return c
+
+    def serve_stage(self) -> int:
+        """A pipeline rank other than 0: run this rank's layers for rank 0 until it says
+        stop (k3.pipeline); returns the exit code."""
+        try:
+            return self.pipeline.serve(self.model, self.provider)
+        finally:
+            self.close()
+
     def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.provider.close()
 
     def __enter__(self) -> "Engine":
@@ -411,7 +435,7 @@ class Batch:
         self.undo_on_interrupt = undo_on_interrupt
         self.requests: list[Request] = []
         self._next_id = 0
-        self._counters = engine.provider.counters()
+        self._counters = engine.counters()
 
     @property
     def active(self) -> list[Request]:
@@ -504,7 +528,7 @@ class Batch:
             raise
         out = []
         dt = time.perf_counter() - t0
-        now = eng.provider.counters()
+        now = eng.counters()
         d = {k: now[k] - self._counters[k] for k in now}
         self._counters = now
         for r, blk, w, snap in zip(active, blocks, where, snaps):
@@ -538,6 +562,7 @@ class Batch:
                     expert_bytes_read=c["expert_bytes_read"] if first else 0,
                     trunk_bytes_read=c["trunk_bytes_read"] if first else 0,
                     table_bytes_read=c["table_bytes_read"] if first else 0,
+                    net_bytes=c.get("net_bytes", 0) if first else 0,
                     io_seconds=c["expert_read_seconds"] + c["trunk_device_seconds"] if first else 0.0,
                     finish=finish, pass_index=r.passes, drafted=len(r.drafts) if first else 0,
                     accepted=kept if first else 0, batch=len(active),
@@ -575,7 +600,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
          budgets: Budgets | None = None, layers: int | None = None, threads: int | None = None, config=None,
          max_context: int = DEFAULT_MAX_CONTEXT, max_batch: int = 1, kv_cache: bool = True, trace: bool = False,
          kda_chunked: bool | None = None, spec: int = 0, kv: str = "latent", prefill_chunk: int | None = None,
-         log=None, progress=None) -> Engine:
+         stage_gb: float | None = None, pipeline_timeout: float | None = None, log=None, progress=None) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
     Budgets: ``preset`` (a preset name or ``auto``), ``trunk`` (a packed-trunk folder
@@ -587,7 +612,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     the MLA KV cache form, "latent" (576 floats a position and layer for K3) or
     "expanded" (per head, 53x more; see k3.model.mla). ``prefill_chunk``: the tokens of
     a prompt one forward pass reads (a multiple of 16; the plan sizes the activations for
-    it). ``layers`` runs only the
+    it). ``stage_gb``: the memory this process may plan in (at most what is available).
+    Launched by torchrun as one of several processes, the model is split over them
+    (k3.pipeline; ``pipeline_timeout`` seconds bound every wait for another rank): rank
+    0 returns the engine to use, every other rank one whose :meth:`Engine.serve_stage`
+    serves rank 0. ``layers`` runs only the
     first layers (not the full model). ``threads`` sets the compute threads (default:
     all cores). ``spec``: the most tokens speculative decoding will draft per pass (the
     plan holds what rolling a pass back needs). ``log`` receives progress messages (the
@@ -604,7 +633,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     if budgets is None:
         budgets = Budgets(preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
                           trunk=None if trunk is None else str(trunk), trunk_ring=trunk_ring,
-                          ultra_low_memory=ultra_low_memory, io_threads=io_threads)
+                          ultra_low_memory=ultra_low_memory, io_threads=io_threads, stage_gb=stage_gb)
     budgets.check()
     if not Path(model_dir).is_dir():
         raise UsageError(f"{model_dir}: not a folder. Give the model folder (config.json + shards).")
@@ -620,54 +649,95 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     if not 0 <= spec <= MAX_DRAFT:
         raise UsageError(f"--spec takes 1..{MAX_DRAFT} drafted tokens per pass, got {spec}.")
     t0 = time.perf_counter()
-    layout = CheckpointLayout.open(cfg, model_dir, layers)
+    launch = env.launch()
+    layout = CheckpointLayout.open(cfg, model_dir, layers, validate=launch is None)
     say(f"indexed {len(layout.index)} tensors from {len(layout.index.shards())} shards in "
         f"{time.perf_counter() - t0:.2f} s")
     packed = None
     if budgets.trunk is not None:
         from .memory.trunk import PackedTrunk
         packed = PackedTrunk.open(budgets.trunk, cfg, layout.index)
-    sizes = model_sizes(layout, packed)
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     if int(max_batch) < 1:
         raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
     if kv not in ("latent", "expanded"):
         raise UsageError(f"--kv is latent or expanded, got {kv!r}.")
     prefill_chunk = check_prefill_chunk(PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
-    plan = planner.plan(cfg, sizes, budgets, tokens=int(max_context) * int(max_batch), incremental=kv_cache,
-                        available=sysmem.meminfo()["MemAvailable"], baseline=sysmem.baseline_bytes(),
-                        n_layers=layout.n_layers, pin_order=env.pin_order(), prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec,
-                        kv_latent=kv == "latent", sequences=int(max_batch))
-    for n in plan.notes:
-        say(n)
-    say(plan.render())
-    plan.check()
-    if plan.trunk is not None and plan.trunk.message:
-        say(plan.trunk.message)
-    t0 = time.perf_counter()
-    faults = _test_faults()
-    provider = StreamingWeights(layout, plan, packed, trace=trace, reader=ShardFiles(),
-                                expert_reader=ShardFiles(hook=faults.get("experts")),
-                                trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=progress)
-    tokenizer = tok_error = None
-    if (Path(model_dir) / "tiktoken.model").is_file():
-        from .tokenizer import Tokenizer
-        try:
-            tokenizer = Tokenizer(model_dir)
-            if tokenizer.vocab_size > cfg.vocab_size:
-                raise UsageError(
-                    f"{Path(model_dir) / 'tiktoken.model'}: the tokenizer has {tokenizer.vocab_size} ids (with its "
-                    f"256 specials) but the model's vocab_size is {cfg.vocab_size}; they do not belong together. "
-                    "Use the tokenizer files of this checkpoint.")
-        except K3Error as e:  # token ids still work; text needs it, and says why not
-            tokenizer, tok_error = None, e
-    model = Model(provider, n_layers=layers, kda_chunked=kda_chunked, kv_latent=kv == "latent")
-    eng = Engine(cfg, model, provider, plan, tokenizer, model_dir, max_context=int(max_context),
-                 load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch),
-                 prefill_chunk=prefill_chunk)
-    eng.tokenizer_error = tok_error
-    if provider.trunk is not None:
-        say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")
-    else:
-        say(f"resident trunk: {human(provider.resident_trunk_bytes)} in RAM (as stored: BF16/F32)")
+    available = sysmem.meminfo()["MemAvailable"]
+    if budgets.stage_gb is not None:
+        available = min(available, int(float(budgets.stage_gb) * 1e9))
+    shape = dict(tokens=int(max_context) * int(max_batch), incremental=kv_cache,
+                 prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec, kv_latent=kv == "latent",
+                 sequences=int(max_batch))
+    stage = None
+    if launch is not None:
+        from . import pipeline
+        baseline = sysmem.baseline_bytes()
+        fixed = planner._fixed_rows(cfg, layout.layer_ids, shape["tokens"], kv_cache, baseline, available,
+                                    shape["prefill_tokens"], spec, kv == "latent", int(max_batch))
+        stage = pipeline.join(cfg, layout, packed, budgets, available=available, baseline=baseline, fixed_rows=fixed,
+                              timeout=pipeline.DEFAULT_TIMEOUT if pipeline_timeout is None else float(pipeline_timeout),
+                              run={"max_context": int(max_context), "max_batch": int(max_batch), "spec": spec,
+                                   "kv": kv, "prefill_chunk": prefill_chunk, "layers": layout.n_layers,
+                                   "incremental": bool(kv_cache), "kda_chunked": kda_chunked})
+        layout = CheckpointLayout(cfg, layout.index, stage.layers.stop, stage.layers.start)
+        layout.validate()
+    try:
+        sizes = model_sizes(layout, packed, tables=stage is None or stage.rank == 0)
+        plan = planner.plan(cfg, sizes, budgets, available=available, baseline=sysmem.baseline_bytes(),
+                            n_layers=layout.layer_ids, pin_order=env.pin_order(), **shape)
+        for n in plan.notes:
+            say(n)
+        say(plan.render())
+        if stage is None:
+            plan.check()
+        else:
+            try:
+                plan.check()
+                refusal = None
+            except K3Error as e:
+                refusal = e
+            stage.share_plans(pipeline.plan_info(stage, plan, sizes, refusal))
+            say(stage.render(cfg))
+        if plan.trunk is not None and plan.trunk.message:
+            say(plan.trunk.message)
+        t0 = time.perf_counter()
+        faults = _test_faults()
+        provider = StreamingWeights(layout, plan, packed, trace=trace, reader=ShardFiles(),
+                                    expert_reader=ShardFiles(hook=faults.get("experts")),
+                                    trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=progress,
+                                    tables=stage is None or stage.rank == 0)
+        tokenizer = tok_error = None
+        if (Path(model_dir) / "tiktoken.model").is_file():
+            from .tokenizer import Tokenizer
+            try:
+                tokenizer = Tokenizer(model_dir)
+                if tokenizer.vocab_size > cfg.vocab_size:
+                    raise UsageError(
+                        f"{Path(model_dir) / 'tiktoken.model'}: the tokenizer has {tokenizer.vocab_size} ids (with its "
+                        f"256 specials) but the model's vocab_size is {cfg.vocab_size}; they do not belong together. "
+                        "Use the tokenizer files of this checkpoint.")
+            except K3Error as e:  # token ids still work; text needs it, and says why not
+                tokenizer, tok_error = None, e
+        if stage is not None and stage.rank == 0:
+            model = pipeline.PipelineModel(stage, provider, kda_chunked=kda_chunked, kv_latent=kv == "latent")
+        else:
+            model = Model(provider, n_layers=layout.n_layers if stage is not None else layers, kda_chunked=kda_chunked,
+                          kv_latent=kv == "latent")
+        eng = Engine(cfg, model, provider, plan, tokenizer, model_dir, max_context=int(max_context),
+                     load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch),
+                     prefill_chunk=prefill_chunk)
+        eng.tokenizer_error = tok_error
+        if stage is not None:
+            eng.pipeline = stage
+            if stage.rank == 0:
+                stage.start_heartbeat()
+        if provider.trunk is not None:
+            say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")
+        else:
+            say(f"resident trunk: {human(provider.resident_trunk_bytes)} in RAM (as stored: BF16/F32)")
+    except BaseException:
+        if stage is not None:  # the other ranks stop too, not at their timeout
+            stage.close()
+        raise
     return eng

@@ -6,6 +6,9 @@ order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for t
 expert arena) and ``K3_DEBUG=1`` (show tracebacks). ``K3_TEST_FAULT`` injects read
 failures for the tests of the failure path.
 
+Under ``torchrun`` (a pipeline over several processes, k3.pipeline) k3 reads the
+launcher's ``RANK`` and ``WORLD_SIZE`` (torch.distributed reads the rest).
+
 ``OMP_WAIT_POLICY`` is set (to PASSIVE, unless the user set it) in ``k3/__init__.py``:
 libgomp reads it when torch is imported, so it must happen before that.
 """
@@ -35,3 +38,13 @@ def debug() -> bool:
 
 def test_fault() -> str | None:
     return os.environ.get("K3_TEST_FAULT") or None
+
+
+def launch() -> tuple[int, int] | None:
+    """(rank, world size) when started by torchrun (or any launcher setting RANK and
+    WORLD_SIZE) with more than one process; None otherwise."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 else None

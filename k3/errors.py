@@ -11,6 +11,7 @@ EXIT_RUNTIME = 1  # refusal to start, bind/forward failure, memory plan refused
 EXIT_USAGE = 2  # bad command line, config not readable with confidence, bad token ids
 EXIT_CHECKPOINT = 3  # checkpoint files malformed, truncated or incomplete
 EXIT_READ = 4  # a weight read failed or came back short during a run (output invalid)
+EXIT_PIPELINE = 5  # a pipeline over several processes failed: a rank differs, died, hung or is unreachable
 
 
 class K3Error(Exception):
@@ -45,3 +46,10 @@ class NumericError(K3Error):
     given. The message names where the numbers first stopped being finite."""
 
     exit_code = EXIT_RUNTIME
+
+
+class PipelineError(K3Error):
+    """A pipeline over several processes (k3.pipeline) cannot go on: a rank's checkpoint,
+    config or k3 version differs, or a rank died, hung or cannot be reached."""
+
+    exit_code = EXIT_PIPELINE

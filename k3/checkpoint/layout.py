@@ -30,17 +30,28 @@ def detect_prefix(index) -> tuple[str, str]:
 
 class CheckpointLayout:
     """Maps relative tensor names to the checkpoint's TensorInfo and validates them.
-    ``n_layers`` limits it to the first layers (``--layers``)."""
+    ``n_layers`` limits it to the first layers (``--layers``); ``first`` starts it at a
+    later layer (one stage of a pipeline over several processes, k3.pipeline): it then
+    covers layers ``first .. n_layers - 1`` (``layer_ids``), indexed as in the model."""
 
-    def __init__(self, cfg, index: CheckpointIndex, n_layers: int | None = None):
+    def __init__(self, cfg, index: CheckpointIndex, n_layers: int | None = None, first: int = 0):
         self.cfg = cfg
         self.index = index
         self.n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
+        if not 0 <= first < self.n_layers:
+            raise ValueError(f"first layer {first} outside 0..{self.n_layers - 1}")
+        self.first = first
         self.prefix, self.head = detect_prefix(index)
 
+    @property
+    def layer_ids(self) -> range:
+        """The layers this layout covers (model indices)."""
+        return range(self.first, self.n_layers)
+
     @classmethod
-    def open(cls, cfg, model_dir, n_layers: int | None = None, *, validate: bool = True) -> "CheckpointLayout":
-        layout = cls(cfg, CheckpointIndex.open(model_dir), n_layers)
+    def open(cls, cfg, model_dir, n_layers: int | None = None, *, validate: bool = True,
+             first: int = 0) -> "CheckpointLayout":
+        layout = cls(cfg, CheckpointIndex.open(model_dir), n_layers, first)
         if validate:
             layout.validate()
         return layout
@@ -116,7 +127,7 @@ class CheckpointLayout:
 
         for rel, sp in global_specs(cfg).items():
             check(rel, sp.shape, sp.kind)
-        for i in range(self.n_layers):
+        for i in self.layer_ids:
             for rel, sp in layer_specs(cfg, i).items():
                 check(f"layers.{i}.{rel}", sp.shape, sp.kind, i)
             if experts and cfg.is_moe(i):
@@ -127,7 +138,7 @@ class CheckpointLayout:
         if problems:
             head = ""
             if missing_layers:
-                head = (f"{len(missing_layers)} of {self.n_layers} layers are missing tensors in this shard "
+                head = (f"{len(missing_layers)} of {len(self.layer_ids)} layers are missing tensors in this shard "
                         "set; a partial download cannot run the model. ")
             shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(

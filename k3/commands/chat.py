@@ -272,7 +272,7 @@ def run(args) -> int:
                   "run. Output is NOT the full model.\n")
     t0 = time.perf_counter()
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
-    eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config, max_context=args.max_context,
+    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config, max_context=args.max_context,
                spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
                log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:")) else None))
     if not args.verbose:

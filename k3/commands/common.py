@@ -39,6 +39,13 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ultra-low-memory", action="store_true",
                    help="stream the embedding and lm_head too (bit-identical, slower)")
     g.add_argument("--io-threads", type=int, default=4, metavar="N", help="parallel reads (default 4)")
+    g.add_argument("--stage-budget", type=float, metavar="GB",
+                   help="memory this process may plan in (default: what is available); under torchrun, each rank's "
+                        "own budget: the layers are shared out by it (docs/SCALING.md)")
+    g = p.add_argument_group("pipeline over several processes (under torchrun; docs/SCALING.md)")
+    g.add_argument("--pipeline-timeout", type=float, default=None, metavar="S",
+                   help="seconds a rank waits for another before it stops the run (exit 5; default 600): more than "
+                        "the longest stage of one forward pass")
     p.set_defaults(budget_events=[])
 
 
@@ -48,7 +55,7 @@ def budgets_from_args(args):
     from ..memory.planner import Budgets
 
     b = Budgets(trunk=args.trunk, trunk_ring=args.trunk_ring, ultra_low_memory=args.ultra_low_memory,
-                io_threads=args.io_threads)
+                io_threads=args.io_threads, stage_gb=args.stage_budget)
     for kind, value in args.budget_events or []:
         if kind == "preset":
             b.preset, b.trunk_gb, b.cache_gb = value, None, None

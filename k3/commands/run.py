@@ -161,6 +161,7 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 
 def run(args) -> int:
     from ..config import load_config
+    from ..env import launch as launched
     from ..engine import check_ids, load, set_threads
     from ..memory.planner import presets_table
     from ..memory.sysmem import peak_rss_bytes
@@ -173,6 +174,9 @@ def run(args) -> int:
     check_model_dir(args.model)
     if not 0 <= args.gen <= MAX_GEN:
         raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {args.gen}.")
+    if (args.save_state or args.load_state) and launched() is not None:
+        raise UsageError("--save-state/--load-state are for one process: under torchrun each rank holds only its "
+                         "layers' part of the state. Run without torchrun to save or resume a state file.")
     if (args.save_state or args.load_state) and not args.incremental:
         raise UsageError("--save-state/--load-state carry the incremental state; drop --full-recompute.")
     for path, flag in ((args.out, "--out"), (args.dump_logits, "--dump-logits"), (args.save_state, "--save-state")):
@@ -211,17 +215,19 @@ def run(args) -> int:
     def log(msg=""):
         if verbose:
             err(msg)
-        elif msg.startswith(("auto:", "note:", "ring held")):
+        elif msg.startswith(("auto:", "note:", "ring held", "pipeline:")):
             notes.append(msg)
 
     if args.spec and not args.incremental:
         raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
                          "incremental decoding (drop --full-recompute).")
-    eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
+    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
                max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1, kv_cache=args.incremental,
                trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk, log=log,
                progress=lambda i: line.update("loading", i + 1, n_layers))
     line.clear()
+    if eng.pipeline is not None and eng.pipeline.rank:
+        return eng.serve_stage()
     if not verbose:
         err(eng.plan.summary())
     for n in notes:
@@ -390,7 +396,19 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
         "sampling": ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                       "seed": sampling.seed} if sampling is not None else "greedy"),
         "spec": spec,
+        "pipeline": _pipeline_report(eng, cfg, steps),
     }
+
+
+def _pipeline_report(eng, cfg, steps) -> dict | None:
+    """The pipeline (world size, each rank's layers and bytes) and what went between ranks."""
+    if eng.pipeline is None:
+        return None
+    d = eng.pipeline.describe(cfg)
+    net = sum(s.net_bytes for s in steps)
+    d["net_bytes"] = net
+    d["net_bytes_per_token"] = net / len(steps) if steps else 0.0
+    return d
 
 
 # ---------------------------------------------------------------- --batch FILE
@@ -452,10 +470,12 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}.")
     sampling = sampling_from_args(args, args.model)
     err(cfg.summary())
-    eng = load(args.model, budgets=budgets, layers=args.layers, config=args.config,
+    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
                max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs), max_batch=width,
                kv_cache=args.incremental, spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
-               log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "note:")) else None)
+               log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "note:", "pipeline:")) else None)
+    if eng.pipeline is not None and eng.pipeline.rank:
+        return eng.serve_stage()
     try:
         if not args.verbose:
             err(eng.plan.summary())

@@ -132,7 +132,7 @@ def run(args) -> int:
         kw = {k: getattr(args, k) for k in ("kv", "prefill_chunk") if getattr(args, k, None) is not None}
         metrics = Metrics()
         t0 = time.perf_counter()
-        sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers, config=args.config,
+        sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
                                        max_context=args.max_context, max_batch=args.max_batch, log=say, **kw),
                           max_queue=args.max_queue, metrics=metrics, prefix_entries=args.prefix_cache,
                           threads=args.threads, log=err)

@@ -190,7 +190,7 @@ def expert_slot_bytes(layout: ExpertSource) -> int:
         pass
     cfg = layout.cfg
     best = 0
-    for i in range(layout.n_layers):
+    for i in getattr(layout, "layer_ids", range(layout.n_layers)):
         if not cfg.is_moe(i):
             continue
         for e in range(cfg.num_experts):
@@ -275,7 +275,8 @@ class ExpertCache:
         self.n_layers = int(layout.n_layers)
         self.n_experts = int(cfg.num_experts)
         self.top_k = int(cfg.num_experts_per_token)
-        self._moe = [bool(cfg.is_moe(i)) for i in range(self.n_layers)]
+        first = getattr(layout, "first", 0)  # a pipeline stage's layout: the layers before it are not its own
+        self._moe = [i >= first and bool(cfg.is_moe(i)) for i in range(self.n_layers)]
         if any(self._moe) and int(n_slots) < self.top_k + 1:
             raise ValueError(f"an expert cache needs at least top-k + 1 = {self.top_k + 1} slots, got {n_slots}")
         self._slot_bytes = expert_slot_bytes(layout) if any(self._moe) else 0

@@ -91,6 +91,7 @@ class Budgets:
     trunk_ring: int = 2
     ultra_low_memory: bool = False
     io_threads: int = 4
+    stage_gb: float | None = None  # the memory this process may plan in (one pipeline rank's), if less than available
 
     def check(self) -> None:
         if self.preset not in PRESET_NAMES:
@@ -108,6 +109,8 @@ class Budgets:
                                  f"got {v!r}.") from None
             if not x > 0 or x != x or x == float("inf"):
                 raise UsageError(f"{flag} must be a finite number of GB > 0, got {v}.")
+        if self.stage_gb is not None and not (isinstance(self.stage_gb, (int, float)) and 0 < self.stage_gb < 1e9):
+            raise UsageError(f"--stage-budget must be a finite number of GB > 0, got {self.stage_gb}.")
         if int(self.trunk_ring) < 1:
             raise UsageError(f"--trunk-ring must be >= 1, got {self.trunk_ring}.")
         if int(self.io_threads) < 1:
@@ -127,19 +130,25 @@ def embed_head_bytes(cfg, dtype_bytes: int = 2) -> int:
     return n if cfg.tie_word_embeddings else 2 * n
 
 
-def recurrent_state_bytes(cfg, n_layers: int | None = None) -> int:
-    n = cfg.num_hidden_layers if n_layers is None else n_layers
-    kda = sum(1 for i in range(n) if not cfg.is_mla(i))
+def layer_ids(cfg, layers=None) -> range:
+    """The layers a plan covers: all (None), the first ``layers`` (an int, ``--layers``),
+    or a range (one stage of a pipeline, k3.pipeline)."""
+    if layers is None:
+        return range(cfg.num_hidden_layers)
+    return layers if isinstance(layers, range) else range(int(layers))
+
+
+def recurrent_state_bytes(cfg, n_layers: int | range | None = None) -> int:
+    kda = sum(1 for i in layer_ids(cfg, n_layers) if not cfg.is_mla(i))
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     return (H * D * D + 3 * H * D * (cfg.conv_kernel - 1)) * 4 * kda
 
 
-def kv_bytes_per_position(cfg, n_layers: int | None = None, latent: bool = True) -> int:
+def kv_bytes_per_position(cfg, n_layers: int | range | None = None, latent: bool = True) -> int:
     """Bytes of the MLA KV cache per position, fp32: the latent form holds the normalised
     latent and the shared rope key per MLA layer, the expanded form every head's key and
     value (k3.model.mla)."""
-    n = cfg.num_hidden_layers if n_layers is None else n_layers
-    mla = sum(1 for i in range(n) if cfg.is_mla(i))
+    mla = sum(1 for i in layer_ids(cfg, n_layers) if cfg.is_mla(i))
     if latent:
         return mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     return mla * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4
@@ -511,15 +520,15 @@ def longest_context(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int,
     return lo
 
 
-def spec_bytes(cfg, n_layers: int, spec: int) -> int:
+def spec_bytes(cfg, n_layers: int | range, spec: int, logits: bool = True) -> int:
     """What a speculative pass of 1 + spec tokens keeps to roll back: per KDA layer its
     pre-conv q/k/v and the recurrence's k, v, g (6 x [T, heads x head_dim] fp32) and beta,
     plus the logits of every position."""
     if not spec:
         return 0
     T = spec + 1
-    kda = sum(1 for i in range(n_layers) if not cfg.is_mla(i))
-    return kda * T * (6 * cfg.kda_num_heads * cfg.kda_head_dim + cfg.kda_num_heads) * 4 + T * cfg.vocab_size * 4
+    kda = sum(1 for i in layer_ids(cfg, n_layers) if not cfg.is_mla(i))
+    return kda * T * (6 * cfg.kda_num_heads * cfg.kda_head_dim + cfg.kda_num_heads) * 4 + logits * T * cfg.vocab_size * 4
 
 
 def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
@@ -530,7 +539,7 @@ def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: in
     per = kv_bytes_per_position(cfg, n_layers, kv_latent)
     kv = tokens * per
     if kv > 0.9 * available:
-        n_mla = sum(1 for i in range(n_layers) if cfg.is_mla(i))
+        n_mla = sum(1 for i in layer_ids(cfg, n_layers) if cfg.is_mla(i))
         raise UsageError(
             f"REFUSING: the KV cache for {tokens} positions needs {human(kv)} but only {human(available)} "
             f"is available (the longest context that fits is about {int(0.9 * available) // per} positions). "
@@ -568,7 +577,7 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
 
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
-         baseline: int, n_layers: int | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
+         baseline: int, n_layers: int | range | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
          spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> Plan:
     """The memory plan for ``budgets`` on a model of ``sizes``: a KV cache for ``tokens``
     positions (incremental decoding holds it; full recompute rebuilds it every step), the
@@ -579,7 +588,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     read per token (:func:`bytes_per_token`); ties go to the larger trunk budget (more
     read-ahead). Raises K3Error when nothing fits."""
     budgets.check()
-    n_layers = cfg.num_hidden_layers if n_layers is None else n_layers
+    n_layers = layer_ids(cfg, n_layers)
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
     fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec, kv_latent,

@@ -27,17 +27,20 @@ def read_weight(layout: CheckpointLayout, reader: ShardFiles, rel: str, kind: st
     return t.to(torch.float32) if kind in ("vector", "alog") else t
 
 
-def model_sizes(layout: CheckpointLayout, packed=None) -> ModelSizes:
+def model_sizes(layout: CheckpointLayout, packed=None, tables: bool = True) -> ModelSizes:
     """The sizes the planner needs, from the checkpoint (and the packed trunk, whose
-    4096-rounded layer runs are what streaming allocates)."""
+    4096-rounded layer runs are what streaming allocates), for the layout's layers;
+    without the model tables when ``tables`` is False (a pipeline stage other than the
+    first holds none)."""
     cfg = layout.cfg
-    n = layout.n_layers
-    layer_bytes = packed.layer_bytes[:n] if packed is not None else [layout.layer_nbytes(i) for i in range(n)]
-    tables = layout.table_nbytes()
-    moe = [i for i in range(n) if cfg.is_moe(i)]
+    ids = layout.layer_ids
+    layer_bytes = (packed.layer_bytes[ids.start:ids.stop] if packed is not None
+                   else [layout.layer_nbytes(i) for i in ids])
+    tables = layout.table_nbytes() if tables else {}
+    moe = [i for i in ids if cfg.is_moe(i)]
     return ModelSizes(
         layer_bytes=tuple(layer_bytes), table_bytes=sum(tables.values()),
-        head_bytes=tables.get("lm_head.weight", tables["embed_tokens.weight"]),
+        head_bytes=tables.get("lm_head.weight", tables.get("embed_tokens.weight", 0)),
         slot_bytes=expert_slot_bytes(layout) if moe else 0,
         expert_bytes=layout.expert_nbytes(moe[0], 0) if moe else 0,
         moe_layers=len(moe), experts=cfg.num_experts, top_k=cfg.num_experts_per_token)
@@ -53,10 +56,11 @@ class StreamingWeights:
 
     def __init__(self, layout: CheckpointLayout, plan: Plan, packed=None, *, trace: bool = False,
                  reader: ShardFiles | None = None, trunk_reader: ShardFiles | None = None,
-                 expert_reader: ShardFiles | None = None, progress=None):
+                 expert_reader: ShardFiles | None = None, progress=None, tables: bool = True):
         cfg = self.config = layout.cfg
         self.layout = layout
         self.n_layers = layout.n_layers
+        self.first = layout.first  # a pipeline stage holds layers first .. n_layers - 1 only
         self.reader = reader if reader is not None else ShardFiles()
         self.ultra = plan.stream_tables
         self.bytes_read = 0  # bytes read at load time (tables, resident trunk)
@@ -65,10 +69,12 @@ class StreamingWeights:
         # model tables
         self._globals = {}
         for rel, sp in global_specs(cfg).items():
-            if rel in ("embed_tokens.weight", "lm_head.weight") and self.ultra:
+            if (rel in ("embed_tokens.weight", "lm_head.weight") and self.ultra) or not tables:
                 continue
             self._globals[rel] = self._load(rel, sp.kind)
-        if self.ultra:
+        if not tables:
+            self._embed = None
+        elif self.ultra:
             self._embed = StreamedEmbedding(layout.info("embed_tokens.weight"), self.reader)
             head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
             self._globals["lm_head.weight"] = self._head = StreamedRows(layout.info(head), self.reader)
@@ -82,10 +88,12 @@ class StreamingWeights:
         self._layers = None
         if plan.trunk is not None:
             from .trunk import TrunkStreamer
+            if self.first or packed.n_layers > self.n_layers:
+                packed = packed.slice(self.first, self.n_layers)
             self.trunk = TrunkStreamer(packed, plan.trunk, io_threads=plan.budgets.io_threads, reader=trunk_reader)
         else:
             self._layers = []
-            for i in range(self.n_layers):
+            for i in layout.layer_ids:
                 self._layers.append({rel: self._load(f"layers.{i}.{rel}", sp.kind)
                                      for rel, sp in layer_specs(cfg, i).items()})
                 if progress is not None:
@@ -111,12 +119,12 @@ class StreamingWeights:
 
     def layer(self, i):
         if self.trunk is not None:
-            return self.trunk.layer(i)
-        return self._layers[i]
+            return self.trunk.layer(i - self.first)
+        return self._layers[i - self.first]
 
     def release_layer(self, i):
         if self.trunk is not None:
-            self.trunk.release_layer(i)
+            self.trunk.release_layer(i - self.first)
 
     def expert_groups(self, i, ids):
         return self.cache.groups(i, ids)

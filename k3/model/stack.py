@@ -170,35 +170,50 @@ class Model:
         each token alone, so it runs once over all the rows (a layer's weights and its
         routed experts are read once for the whole batch); the mixers run per sequence.
         Each sequence's numbers are those it would get alone."""
-        cfg = self.cfg
+        all_ids = [t for ids, _ in batch for t in ids]
+        carry = self.run_layers(range(self.n_layers), self.embed_carry(all_ids), batch, observer)
+        return self.finish(carry)
+
+    # The pass in three parts, so that a pipeline (k3.pipeline) can run the layers of
+    # one stage per process: the carry is everything one layer hands the next - the
+    # hidden state (Kimi-Linear), or K3's Attention Residuals bank and partial sum.
+    def embed_carry(self, all_ids) -> tuple:
+        """The carry entering layer 0: (bank, x), bank None without Attention Residuals."""
+        h = _finite(self.provider.embed(all_ids), "the embedding rows of the input tokens")
+        return (None if self.cfg.attn_res_block_size is None else [], h)
+
+    def run_layers(self, layers: range, carry: tuple, batch, observer: Observer | None = None) -> tuple:
+        """Layers ``layers`` over the carry; each sequence's state (its layers among
+        these) extended. The states' ids are extended when ``layers`` ends the stack."""
         states = [st for _, st in batch]
         cuts = [0]
         for ids, _ in batch:
             cuts.append(cuts[-1] + len(ids))
-        all_ids = [t for ids, _ in batch for t in ids]
-        h = _finite(self.provider.embed(all_ids), "the embedding rows of the input tokens")
-        eps = cfg.rms_norm_eps
-        B = cfg.attn_res_block_size
-        bank: list[torch.Tensor] = []
-        P = h
-        for i in range(self.n_layers):
+        bank, x = carry
+        for i in layers:
             w = self.provider.layer(i)
             try:
-                if B is None:  # Kimi-Linear: plain pre-norm residual
-                    h = _finite(self.plain_layer(i, w, h, states, cuts, observer), f"layer {i}")
+                if bank is None:  # Kimi-Linear: plain pre-norm residual
+                    x = _finite(self.plain_layer(i, w, x, states, cuts, observer), f"layer {i}")
                 else:
-                    P = _finite(self.attn_res_layer(i, w, bank, P, states, cuts, observer), f"layer {i}")
+                    x = _finite(self.attn_res_layer(i, w, bank, x, states, cuts, observer), f"layer {i}")
             finally:  # also on a failed read or an interrupt: a streamer must not keep it held
                 self.provider.release_layer(i)
             if observer is not None:
                 observer.on_layer(i)
-        for ids, st in batch:
-            st.ids.extend(int(t) for t in ids)
-        if B is None:
-            return h
+        if layers.stop == self.n_layers:
+            for ids, st in batch:
+                st.ids.extend(int(t) for t in ids)
+        return bank, x
+
+    def finish(self, carry: tuple) -> torch.Tensor:
+        """The final hidden states from the carry leaving the last layer."""
+        bank, x = carry
+        if bank is None:
+            return x
         g = self.provider.global_weight
-        return _finite(attn_res(bank + [P], g("output_attn_res_norm.weight"), g("output_attn_res_proj.weight"), eps),
-                       "the final Attention Residuals mix (output_attn_res)")
+        return _finite(attn_res(bank + [x], g("output_attn_res_norm.weight"), g("output_attn_res_proj.weight"),
+                                self.cfg.rms_norm_eps), "the final Attention Residuals mix (output_attn_res)")
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         g = self.provider.global_weight

@@ -193,6 +193,11 @@ class PackedTrunk:
     def layer_bytes(self) -> list[int]:
         return [L.nbytes for L in self.layers]
 
+    def slice(self, first: int, end: int) -> "PackedTrunk":
+        """Layers first .. end - 1 only (one pipeline stage's), indexed from 0; the same
+        trunk.bin (each layer keeps its file offset)."""
+        return PackedTrunk(self.directory, self.meta, self.layers[first:end])
+
     @property
     def total_bytes(self) -> int:
         return sum(L.nbytes for L in self.layers)
