@@ -454,7 +454,7 @@ class Stage:
             for cmd in hdr.get("cmds", ()):
                 _apply(cmd, states, snaps, model)
             if op == "exit":
-                self.link.send(self.next, {"op": "exit"})
+                self.link.send(self.next, {"op": "exit", "cmds": [] if last else hdr.get("cmds", [])})
                 self.link.flush()
                 return 0
             counters = dict(hdr.get("counters", {}))
@@ -468,10 +468,12 @@ class Stage:
                            "k3": isinstance(e, K3Error)}
                     carry = None
                 counters[self.rank] = dict(provider.counters(), net_bytes=self.link.sent)
+            cmds = [] if last else hdr.get("cmds", [])  # the ranks after this one apply them too
             if hdr["op"] == "error":
-                self.link.send(self.next, dict(hdr, counters=counters))
+                self.link.send(self.next, dict(hdr, counters=counters, cmds=cmds))
             else:
-                self._send_carry(self.next, {"op": "pass", "segs": hdr["segs"], "counters": counters}, carry)
+                self._send_carry(self.next, {"op": "pass", "segs": hdr["segs"], "counters": counters, "cmds": cmds},
+                                 carry)
             if last:
                 self.link._done()
 
