@@ -531,6 +531,8 @@ class PipelineState(InferenceState):
     """A sequence's state on rank 0: rank 0's layers here, the rest on the other ranks
     under the same key; every change is sent along with the next pass."""
 
+    whole = False  # not savable alone (k3.state refuses it)
+
     def __init__(self, layers, ids, stage: Stage, key: int):
         super().__init__(layers, ids)
         self._stage, self.key = stage, key

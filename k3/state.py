@@ -142,6 +142,10 @@ def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), ex
     the file size in bytes."""
     from .checkpoint.writer import write_safetensors
 
+    if not getattr(state, "whole", True):
+        raise UsageError(f"{path}: cannot save this state: it is one rank's part of a pipeline over several "
+                         "processes (the other ranks hold the rest of its layers). Save and resume states in a "
+                         "single-process run (without torchrun).")
     ids = [int(t) for t in state.ids] + [int(t) for t in pending]
     tensors = [("ids", torch.tensor(ids, dtype=torch.int64))] + _layer_tensors(cfg, state)
     h = hashlib.sha256()

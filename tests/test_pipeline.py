@@ -242,3 +242,38 @@ def test_carry_bytes():
     assert carry_bytes(C, 5) == 3 * 8 * 4
     C.attn_res_block_size = None
     assert carry_bytes(C, 5, tokens=3) == 3 * 8 * 4
+
+
+def test_serve_over_two_ranks(models, tmp_path):
+    """`k3 serve` the same way: rank 0 answers HTTP, rank 1 runs its layers; the tokens
+    are one process's. Ctrl-C on rank 0 stops both."""
+    import urllib.request
+    model = models("tiny", "kimi_linear")
+    want, _ = reference(model, 6)
+    port = free_port()
+    procs = start(2, lambda r: ["serve", str(model), "--port", str(port), "--host", "127.0.0.1", "--threads", "1",
+                                "--max-context", "64", "--pipeline-timeout", "30"], tmp_path)
+    try:
+        _wait_for(tmp_path / "err0.txt", "k3 serve:", timeout=120)
+        t0 = time.time()
+        while True:
+            try:
+                body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                   "return_token_ids": True}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    got = json.loads(r.read())
+                break
+            except OSError:
+                if time.time() - t0 > 60:
+                    raise
+                time.sleep(0.2)
+        assert got["choices"][0]["token_ids"] == want
+        procs[0][0].send_signal(signal.SIGINT)
+        res = finish(procs, 60)
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [c for c, _, _ in res] == [0, 0], (res[0][2][-1500:], res[1][2][-1500:])

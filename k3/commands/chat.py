@@ -274,7 +274,9 @@ def run(args) -> int:
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
     eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config, max_context=args.max_context,
                spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
-               log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:")) else None))
+               log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:", "pipeline:")) else None))
+    if eng.pipeline is not None and eng.pipeline.rank:
+        return eng.serve_stage()
     if not args.verbose:
         say(eng.plan.summary())
     try:

@@ -99,7 +99,8 @@ def _check(args) -> None:
 
 def run(args) -> int:
     from ..config import load_config
-    from ..engine import load
+    from .. import env
+    from ..engine import load, set_threads
     from ..server.app import Server, bind, is_loopback, make_server
     from ..server.metrics import Metrics
     from ..server.protocol import ModelContext, ServeDefaults
@@ -109,6 +110,12 @@ def run(args) -> int:
     _check(args)
     key = _api_key(args)
     budgets = budgets_from_args(args)
+    kw = {k: getattr(args, k) for k in ("kv", "prefill_chunk") if getattr(args, k, None) is not None}
+    launch = env.launch()
+    if launch is not None and launch[0]:  # a pipeline rank other than 0: rank 0 serves HTTP, this one its layers
+        set_threads(args.threads)
+        return load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
+                    config=args.config, max_context=args.max_context, max_batch=args.max_batch, **kw).serve_stage()
     cfg = load_config(args.config or args.model)
     if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
         raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
@@ -127,9 +134,8 @@ def run(args) -> int:
         if args.layers is not None:
             err(f"WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers run. "
                 "Output is NOT the full model.")
-        say = (lambda m="": err(m)) if args.verbose else (lambda m="": err(m) if m.startswith(("auto:", "note:"))
-                                                           else None)
-        kw = {k: getattr(args, k) for k in ("kv", "prefill_chunk") if getattr(args, k, None) is not None}
+        say = (lambda m="": err(m)) if args.verbose else (lambda m="": err(m) if m.startswith(("auto:", "note:",
+                                                                                             "pipeline:")) else None)
         metrics = Metrics()
         t0 = time.perf_counter()
         sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
