@@ -241,6 +241,8 @@ class Stage:
         rank, world = launched()
         host = socket.gethostname()
         if not dist.is_initialized():
+            import atexit
+            atexit.register(_leave)  # a group left to the interpreter's teardown aborts the process
             try:
                 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
             except Exception as e:  # rendezvous failures come as several exception types
@@ -476,6 +478,15 @@ class Stage:
                                  carry)
             if last:
                 self.link._done()
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # peers already gone: nothing left to close cleanly
+        pass
 
 
 def _split(batch, parts: int) -> list:
