@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     if m.expert_bytes != K3_EXPERT_BYTES:
         print(f"warning: synth expert {m.expert_bytes} B, release {K3_EXPERT_BYTES} B", file=sys.stderr)
 
-    print("### Model")
+    print("### Inputs")
     print()
     print(f"* K3 from the synth preset realdims at {cfg.num_hidden_layers} layers ({moe} MoE, "
           f"{sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_mla(i))} MLA), {cfg.num_experts} experts, "
@@ -280,6 +280,12 @@ def main(argv=None) -> int:
     print(f"* Rates (GB/s): BF16 {a.bf16_gbs}, MXFP4 {a.mxfp4_gbs}, memory {a.mem_gbs}, disk sequential "
           f"{a.disk_seq_gbs}, disk random {a.disk_rand_gbs}; {a.layer_ms} ms per layer and token besides the "
           f"matmuls. Link {a.link_gbs} GB/s (and {a.slow_link_gbs}), {a.hop_us:.0f} us per hop.")
+    bf16_s = (trunk + m.head_bytes) / (a.bf16_gbs * GB)
+    mx_s = moe * k * m.expert_bytes / (a.mxfp4_gbs * GB)
+    other_s = cfg.num_hidden_layers * a.layer_ms / 1e3
+    print(f"* Touched per token: {(trunk + m.head_bytes + moe * k * m.expert_bytes) / GB:.2f} GB (trunk, lm_head, "
+          f"active experts). Compute per token, whatever N: BF16 {bf16_s:.2f} s + MXFP4 {mx_s:.2f} s + other "
+          f"{other_s:.2f} s = {bf16_s + mx_s + other_s:.2f} s.")
     print()
 
     print("### One sequence")

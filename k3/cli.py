@@ -16,7 +16,7 @@ import signal
 import sys
 
 from . import __version__, env
-from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error
+from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_PIPELINE, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error
 
 #: command name -> module in k3.commands, in the order `k3 --help` lists them
 COMMANDS = {
@@ -37,6 +37,7 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_USAGE}  usage error: bad flags, unreadable config, token id outside the vocabulary
   {EXIT_CHECKPOINT}  checkpoint malformed, truncated or incomplete (missing shard or tensor)
   {EXIT_READ}  a weight read failed during the run: the output is invalid
+  {EXIT_PIPELINE}  a pipeline over several processes (torchrun) cannot go on: a rank differs, died or hung
   130 interrupted (Ctrl-C)
   143 terminated (SIGTERM)
 """

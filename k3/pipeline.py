@@ -469,7 +469,10 @@ class Stage:
                            "kind": type(e).__name__, "exit_code": getattr(e, "exit_code", 1),
                            "k3": isinstance(e, K3Error)}
                     carry = None
-                counters[self.rank] = dict(provider.counters(), net_bytes=self.link.sent)
+                out = [] if carry is None else ([] if carry[0] is None else list(carry[0])) + [carry[1]]
+                # this pass's send included, so that rank 0's per-step deltas do not lag a pass behind
+                counters[self.rank] = dict(provider.counters(), net_bytes=self.link.sent + sum(
+                    t.numel() * t.element_size() for t in out))
             cmds = [] if last else hdr.get("cmds", [])  # the ranks after this one apply them too
             if hdr["op"] == "error":
                 self.link.send(self.next, dict(hdr, counters=counters, cmds=cmds))

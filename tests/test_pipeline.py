@@ -115,6 +115,12 @@ def test_pipeline_matches_one_process(models, tmp_path, preset, arch, world):
         assert layers[0][0] == 0 and layers[-1][1] == load_config(model).num_hidden_layers
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(layers, layers[1:]))
         assert pipe["net_bytes"] > 0
+        if not spec:  # a decode step sends one token's carry across every boundary and back (+ small headers)
+            cfg = load_config(model)
+            carry = sum(carry_bytes(cfg, hi) for _, hi in layers)
+            assert pipe["carry_bytes_per_token"] == carry
+            for st in got["steps"][1:]:
+                assert carry <= st["net_bytes"] <= carry + 1024 * world
         if spec:
             assert got["spec"]["accepted"] > 0  # drafts were verified across the ranks and kept
         assert "pipeline:" in res[0][2] and all(not e.strip() for _, _, e in res[1:])  # rank 0 speaks alone

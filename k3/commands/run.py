@@ -361,7 +361,8 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
              "expert_requests": s.expert_requests, "expert_hits": s.expert_hits,
              "expert_hit_pct": 100.0 * s.expert_hit_rate, "expert_bytes_read": s.expert_bytes_read,
              "trunk_bytes_read": s.trunk_bytes_read, "table_bytes_read": s.table_bytes_read,
-             "bytes_read": s.bytes_read, "io_seconds": s.io_seconds} for s in steps]
+             "bytes_read": s.bytes_read, "io_seconds": s.io_seconds,
+             **({"net_bytes": s.net_bytes} if eng.pipeline is not None else {})} for s in steps]
     return {
         "model": str(args.model),
         "prompt_ids": ids,
