@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 
 from k3 import pipeline
 from k3.doctor import K3_SLOT_BYTES, K3_TRUNK_BYTES
+from k3.engine import max_piece
 from k3.errors import K3Error
 from k3.memory import planner
 from k3.probe import K3_EXPERT_BYTES
@@ -51,7 +52,7 @@ from k3.synth import _Expert, make_plan
 from k3.units import GB, align_up
 
 VOCAB = 163_840  # the release's vocabulary (spec kimi-k3-model.md: vocab_size 163840, untied lm_head)
-PIECE = 256 + 32 - 1  # k3.engine.max_piece(): the default prefill chunk (256) + CHUNK_MIN_T - 1
+PIECE = max_piece()  # the most tokens one pass reads with the default prefill chunk
 
 
 # ---------------------------------------------------------------------- the model
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="KV positions each sequence may hold (--max-context)")
     ap.add_argument("--tables", choices=("resident", "auto"), default="resident",
                     help="rank 0's embedding + lm_head: held in RAM, or as --preset auto chooses (it may stream them)")
-    # Rates measured on this project's dev VM (2 vCPUs, Zen 4, shared), in GB/s unless named otherwise.
+    # Rates measured on the 2-vCPU dev VM of docs/PERFORMANCE.md (an AMD EPYC Zen 4 guest, shared), in GB/s unless named otherwise.
     ap.add_argument("--bf16-gbs", type=float, default=21.0,
                     help="BF16 trunk matmuls, weight bytes/s in a decode step: docs/PERFORMANCE.md 'Decode with "
                          "everything resident' (5.75 GB in 0.275 s = 21 GB/s; bf16_linear T = 1 in 'Kernels': "

@@ -669,6 +669,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     shape = dict(tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                  prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec, kv_latent=kv == "latent",
                  sequences=int(max_batch))
+    if pipeline_timeout is not None and not (isinstance(pipeline_timeout, (int, float)) and 0 < pipeline_timeout < 1e7):
+        raise UsageError(f"--pipeline-timeout must be a number of seconds > 0, got {pipeline_timeout}.")
     stage = None
     if launch is not None:
         from . import pipeline

@@ -283,3 +283,13 @@ def test_serve_over_two_ranks(models, tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [c for c, _, _ in res] == [0, 0], (res[0][2][-1500:], res[1][2][-1500:])
+
+
+@pytest.mark.parametrize("flag,value", [("--stage-budget", "0"), ("--stage-budget", "nan"),
+                                        ("--pipeline-timeout", "0"), ("--pipeline-timeout", "-5")])
+def test_bad_pipeline_flags_are_usage_errors(models, capsys, flag, value):
+    from k3.cli import main
+    from k3.errors import EXIT_USAGE
+    code = main(["run", str(models("tiny", "k3")), "--ids", "1,2", "--gen", "1", flag, value])
+    assert code == EXIT_USAGE
+    assert flag in capsys.readouterr().err
