@@ -293,3 +293,16 @@ def test_bad_pipeline_flags_are_usage_errors(models, capsys, flag, value):
     code = main(["run", str(models("tiny", "k3")), "--ids", "1,2", "--gen", "1", flag, value])
     assert code == EXIT_USAGE
     assert flag in capsys.readouterr().err
+
+
+def test_pipeline_full_recompute_and_streamed_tables(models, tmp_path):
+    """Full recompute (a fresh state on every rank each step) with the model tables
+    streamed on rank 0 (--ultra-low-memory): still one process's tokens."""
+    model = models("tiny", "kimi_linear")
+    want, _ = reference(model, 6)
+    out = tmp_path / "o.json"
+    res = run_ranks(2, ["run", str(model), "--ids", ",".join(map(str, PROMPT)), "--gen", "6", "--greedy",
+                        "--threads", "1", "--full-recompute", "--ultra-low-memory", "--out", str(out),
+                        "--pipeline-timeout", "60"], tmp_path)
+    assert [c for c, _, _ in res] == [0, 0], res[0][2][-1500:] + res[1][2][-1500:]
+    assert json.loads(out.read_text())["generated_ids"] == want

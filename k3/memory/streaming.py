@@ -62,7 +62,7 @@ class StreamingWeights:
         self.n_layers = layout.n_layers
         self.first = layout.first  # a pipeline stage holds layers first .. n_layers - 1 only
         self.reader = reader if reader is not None else ShardFiles()
-        self.ultra = plan.stream_tables
+        self.ultra = plan.stream_tables and tables
         self.bytes_read = 0  # bytes read at load time (tables, resident trunk)
         t0 = time.perf_counter()
 

@@ -170,6 +170,17 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak RSS: VmHWM, which belongs to the address space (an exec starts
+    it afresh). getrusage's ru_maxrss, the fallback, survives exec on Linux: a k3 started
+    by a large parent (a test runner, a server that forks) would report the parent's
+    size as its own and plan for it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
