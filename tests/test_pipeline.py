@@ -252,15 +252,18 @@ def test_carry_bytes():
 
 def test_serve_over_two_ranks(models, tmp_path):
     """`k3 serve` the same way: rank 0 answers HTTP, rank 1 runs its layers; the tokens
-    are one process's. Ctrl-C on rank 0 stops both."""
+    are one process's. Idle for longer than the timeout, the ranks stay up (rank 0
+    pings the ring). Ctrl-C on rank 0 stops both."""
     import urllib.request
     model = models("tiny", "kimi_linear")
     want, _ = reference(model, 6)
     port = free_port()
     procs = start(2, lambda r: ["serve", str(model), "--port", str(port), "--host", "127.0.0.1", "--threads", "1",
-                                "--max-context", "64", "--pipeline-timeout", "30"], tmp_path)
+                                "--max-context", "64", "--pipeline-timeout", "6"], tmp_path)
     try:
         _wait_for(tmp_path / "err0.txt", "k3 serve:", timeout=120)
+        time.sleep(15)  # idle: past the timeout
+        assert procs[1][0].poll() is None
         t0 = time.time()
         while True:
             try:
