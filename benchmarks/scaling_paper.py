@@ -26,12 +26,10 @@ The time model (one sequence; the stages run one after another):
                 (+ lm_head / sequential rate on rank 0 if the tables are streamed)
 
 Every rate is an option whose default is this project's measured figure (the doc section
-named beside it). Batched decode: B sequences cut into N micro-batches (k3.pipeline._split),
-each stage's time per micro-batch, the steady-state bound (the slowest stage) and what
-k3's pass structure gives (every pass fills and drains the ring).
+named beside it).
 
     python benchmarks/scaling_paper.py [--ranks 1,2,4,8] [--mem-gb 32,64,128] [--context 4096]
-        [--tables resident|auto] [--link-gbs 1.25] [--hop-us 100] [--per-microbatch 1] ...
+        [--tables resident|auto] [--link-gbs 1.25] [--hop-us 100] ...
 
 (--help lists every rate with the doc section its default comes from.)
 """
@@ -244,8 +242,6 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-link-gbs", type=float, default=0.125, help="the second link shown (1 GbE = 0.125 GB/s)")
     ap.add_argument("--hop-us", type=float, default=100.0,
                     help="fixed cost per hop in microseconds (TCP round of gloo's sends; assumed)")
-    ap.add_argument("--per-microbatch", type=int, default=1,
-                    help="batched table: sequences per micro-batch (B = N x this)")
     a = ap.parse_args(argv)
     a.baseline = int(a.baseline_gb * GB)
     ranks = [int(x) for x in a.ranks.split(",")]
@@ -352,42 +348,6 @@ def main(argv=None) -> int:
                            f"capacity {rk.capacity / GB:.2f} GB pins {tp.pinned_bytes / GB:.2f} GB")
     print("Cross-check, planner.plan against planner.plan_trunk(capacity, 2 slots, largest first): "
           + ("the same pinned bytes on every rank." if not odd else "; ".join(odd) + "."))
-    print()
-
-    b = a.per_microbatch
-    print(f"### Batched decode: B = N x {b} sequences, N micro-batches of {b}")
-    print()
-    print("Plans re-made for B sequences (B recurrent states, B contexts, activations of B pieces). "
-          "Bound = the slowest stage (or hop) per micro-batch, every stage busy; k3 = one pass at a time: "
-          "sum of the stages + (N - 1) x the slowest, per pass of N micro-batches. 10 GbE.")
-    if b > 1:
-        print(f"With {b} tokens per micro-batch the trunk is charged at the T = 1 BF16 rate, once per micro-batch: "
-              "a lower bound on its time (the kernel table has T = 4 at about 2x the time of T = 1), so these "
-              "bounds are optimistic. Experts: the expected distinct experts of the micro-batch, each at T = 1.")
-    print()
-    print("| N | M GB | B | pinned | slowest stage s | bound s/token | bound tokens/s | k3 pass s | "
-          "k3 s/token | k3 tokens/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n in ranks:
-        for mem in mems:
-            B = n * b
-            try:
-                rks = plan_pipeline(m, n, int(mem * GB), a, sequences=B)
-            except K3Error as e:
-                print(f"| {n} | {mem:g} | {B} | does not fit: {str(e).splitlines()[0]} |" + " |" * 6)
-                continue
-            if any(rk.refusal for rk in rks):
-                why = "; ".join(f"rank {r} {rk.refusal}" for r, rk in enumerate(rks) if rk.refusal)
-                print(f"| {n} | {mem:g} | {B} | does not fit: {why} |" + " |" * 6)
-                continue
-            sts = [stage(m, rk, n, a, tokens=b) for rk in rks]
-            steps = [st.time for st in sts] + [hop_seconds(st.hop_bytes, a.link_gbs, a.hop_us)
-                                               for st in sts if n > 1]
-            slow = max(steps)
-            pass_s = sum(steps) + (n - 1) * slow
-            pinned = sum(rk.pinned for rk in rks)
-            print(f"| {n} | {mem:g} | {B} | {100 * pinned / trunk:.0f} % | {slow:.2f} | {slow / b:.2f} | "
-                  f"{b / slow:.2f} | {pass_s:.2f} | {pass_s / B:.2f} | {B / pass_s:.2f} |")
     print()
 
     # the model against two measured runs (pure arithmetic on the docs' byte counts)

@@ -16,8 +16,8 @@ torch.distributed (gloo over TCP, CPU) carries everything: no transport of our o
 * A pass: rank 0 embeds the tokens and runs its layers, sends the carry (the hidden
   state; for K3 the Attention Residuals bank and partial sum) to rank 1, ..., and the
   last rank sends it back to rank 0, which finishes the pass and picks the tokens. A
-  batch is cut into micro-batches (one per rank at most) so that every stage works at
-  once. Each rank keeps its own layers' KDA/MLA state and expert cache; the commands
+  long pass over several sequences (a batch's prefill) is cut into micro-batches (one
+  per rank at most) so that the stages work at once. Each rank keeps its own layers' KDA/MLA state and expert cache; the commands
   that change a sequence's state (new, snapshot, restore, rollback, clone, drop) ride
   on the next pass, so a state on rank 0 and its parts on the other ranks stay one.
 * Faults: gloo's timeout bounds every receive; rank 0 pings the ring when idle so that
@@ -48,6 +48,8 @@ from .units import GB, human
 
 #: default seconds a rank waits for its neighbour before it declares it lost
 DEFAULT_TIMEOUT = 600.0
+#: a pass over at least this many tokens (of several sequences) goes as micro-batches
+MICRO_TOKENS = 64
 _HASH_SAMPLE = 1 << 16  # bytes of each shard's data hashed (its start and end) for the fingerprint
 
 
@@ -213,6 +215,7 @@ class Stage:
     plans: list = field(default_factory=list)  # every rank's plan summary (rank 0)
     remote: dict = field(default_factory=dict)  # rank -> its cumulative counters (rank 0)
     broken: str | None = None
+    micro_passes: int = 0  # passes cut into micro-batches
     _cmds: list = field(default_factory=list)
     _keys: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -310,6 +313,7 @@ class Stage:
     def describe(self, cfg) -> dict:
         """The pipeline for the --out JSON."""
         return {"world_size": self.world, "carry_bytes_per_token": self.net_bytes_per_token(cfg),
+                "micro_batched_passes": self.micro_passes,
                 "ranks": [{"rank": r, "host": p["host"], "layers": list(p["layers"]),
                            "trunk_bytes": p["trunk_bytes"], "pinned_bytes": p["pinned_bytes"],
                            "estimated_read_per_token": p["read_per_token"], "cache_slots": p["cache_slots"],
@@ -339,7 +343,8 @@ class Stage:
     # ---------------------------------------------------------------- a pass (rank 0)
     def run_pass(self, model: "PipelineModel", batch, observer=None) -> torch.Tensor:
         self._check()
-        groups = _split(batch, self.world)
+        groups = _split(batch, self.world) if self._micro(batch) else [batch]
+        self.micro_passes += len(groups) > 1
         outs, err, sent = [], None, 0
         with self._lock:
             try:
@@ -376,6 +381,16 @@ class Stage:
             st.ids.extend(int(t) for t in ids)
         h = [model.finish(c) for c in outs]
         return h[0] if len(h) == 1 else torch.cat(h)
+
+    def _micro(self, batch) -> bool:
+        """Cut this pass into micro-batches? Only when compute, not reading the weights,
+        sets a stage's time: a pass of at least MICRO_TOKENS tokens with every rank's trunk
+        pinned. A decode pass costs a stage about one read of its weights whatever its
+        rows, so k micro-batches would read them k times (k times the disk for a streamed
+        stage) to overlap stages: no gain (docs/SCALING.md)."""
+        if len(batch) < 2 or sum(len(ids) for ids, _ in batch) < MICRO_TOKENS:
+            return False
+        return all(p["pinned_bytes"] >= p["trunk_bytes"] for p in self.plans)
 
     def _counters(self, hdr) -> None:
         for r, c in hdr.get("counters", {}).items():

@@ -17,7 +17,7 @@ import pytest
 import k3
 from k3.config import load_config
 from k3.errors import EXIT_PIPELINE, PipelineError
-from k3.pipeline import assign_layers, carry_bytes
+from k3.pipeline import MICRO_TOKENS, _split, assign_layers, carry_bytes
 from k3.synth import synthesize
 
 PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3]
@@ -127,12 +127,14 @@ def test_pipeline_matches_one_process(models, tmp_path, preset, arch, world):
 
 
 def test_pipeline_batch_micro_batches(models, tmp_path):
-    """Three sequences on two ranks go as micro-batches; each gets its tokens alone."""
+    """Three sequences on two ranks: their prefill (more than MICRO_TOKENS tokens) goes
+    as micro-batches, their decode passes whole; each gets its tokens alone."""
     model = models("tiny", "k3")
-    prompts = [PROMPT, [9, 8, 7], [1, 2, 3, 4, 5, 6]]
+    prompts = [PROMPT * 3, [9, 8, 7] * 10, [1, 2, 3, 4, 5, 6] * 2]
+    assert sum(map(len, prompts)) >= MICRO_TOKENS
     want = []
     for p in prompts:
-        with k3.load(model, max_context=32, threads=1) as eng:
+        with k3.load(model, max_context=64, threads=1) as eng:
             want.append([s.token for s in eng.generate(p, max_tokens=6, greedy=True)])
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("".join(json.dumps({"ids": p, "max_tokens": 6}) + "\n" for p in prompts))
@@ -142,6 +144,7 @@ def test_pipeline_batch_micro_batches(models, tmp_path):
     assert [c for c, _, _ in res] == [0, 0], res[0][2][-2000:] + res[1][2][-2000:]
     got = json.loads(out.read_text())
     assert [s["generated_ids"] for s in got["sequences"]] == want
+    assert got["pipeline"]["micro_batched_passes"] == 1  # the prefill; decode passes go whole
 
 
 def test_rank_with_other_checkpoint_is_refused(models, tmp_path):
@@ -309,3 +312,10 @@ def test_pipeline_full_recompute_and_streamed_tables(models, tmp_path):
                         "--pipeline-timeout", "60"], tmp_path)
     assert [c for c, _, _ in res] == [0, 0], res[0][2][-1500:] + res[1][2][-1500:]
     assert json.loads(out.read_text())["generated_ids"] == want
+
+
+def test_split_keeps_sequences_whole_and_in_order():
+    b = [([1] * n, None) for n in (5, 1, 7, 2, 3)]
+    for parts in (1, 2, 3, 5, 8):
+        g = _split(b, parts)
+        assert len(g) == min(parts, len(b)) and [x for grp in g for x in grp] == b

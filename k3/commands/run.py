@@ -527,7 +527,8 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
                   else "full_recompute", "preset": eng.plan.preset, "expert_cache": st["expert_cache"],
                   "trunk": st["trunk"], "sampling": "greedy" if sampling is None else {
                       "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                      "seed": sampling.seed}}
+                      "seed": sampling.seed},
+                  "pipeline": eng.pipeline.describe(cfg) if eng.pipeline is not None else None}
         if args.out:
             atomic_write_json(args.out, result, what="the run result")
             err(f"wrote {args.out}")
