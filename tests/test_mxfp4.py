@@ -253,3 +253,55 @@ def test_validation_errors():
         decode_mxfp4(np.zeros((16, 4), np.uint8).T, s)
     with pytest.raises(ValueError, match="2-D"):
         decode_mxfp4(np.zeros(16, np.uint8), s)
+
+
+_ISA_SCRIPT = r"""
+import sys, torch
+from k3.quant import mxfp4_grouped, mxfp4_linear
+from k3.quant.mxfp4 import kernel_isa
+g = torch.Generator().manual_seed(7)
+outs = [kernel_isa()]
+for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (64, 2048, 16)):
+    p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(100, 140, (R, C // 32), dtype=torch.uint8, generator=g)
+    s[0, 0], s[1, 1] = 255, 0  # a zero group, the subnormal factor
+    x = torch.randn(T, C, generator=g)
+    outs.append(mxfp4_linear(x, p, s))
+    outs.append(mxfp4_grouped(x, [(p, s), (p[: R // 2], s[: R // 2])], [(0, T), (T - 1, T)]))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_every_instruction_set_path_gives_the_same_bits(tmp_path):
+    """The MXFP4 nibble decode compiles to byte shuffles (AVX-512BW, AVX2) or plain vector
+    arithmetic: each path forced in a fresh process (its own numba cache: compiled code
+    is cached per CPU, not per path) gives the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as ll
+    feats = ll.get_host_cpu_features()
+    paths = ["generic"] + (["avx2"] if feats.get("avx2") else []) + \
+        (["avx512"] if feats.get("avx2") and feats.get("avx512bw") else [])
+    got = {}
+    for isa in paths:
+        out = tmp_path / f"{isa}.pt"
+        env = dict(os.environ, K3_KERNEL_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / f"cache-{isa}"))
+        r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[isa] = torch.load(out)
+        assert got[isa][0] == isa
+    ref = got["generic"]
+    for isa, outs in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(outs[1:], ref[1:])), isa
+    # this process's kernels (the native path, from the shared cache) agree too
+    native = tmp_path / "native.pt"
+    saved = sys.argv
+    try:
+        sys.argv = ["-", str(native)]
+        exec(_ISA_SCRIPT, {})
+    finally:
+        sys.argv = saved
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(native)[1:], ref[1:]))

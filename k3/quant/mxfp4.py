@@ -16,8 +16,11 @@ W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
 
 ``mxfp4_linear`` never builds the dequantised matrix. For T = 1 (decode) each 64-byte
 step of a row is decoded in SIMD registers (in byte lanes: nibble -> 2 x its E2M1
-value as a small signed integer; widened to fp32 and multiplied by the exact factor
-2^(s-128)) and consumed at once; the packed bytes are read exactly once. For T > 1 a
+value as a small signed integer, by a byte-shuffle table lookup where the CPU has one
+(AVX2, AVX-512BW; ``kernel_isa``), else by vector arithmetic; widened to fp32 and
+multiplied by the exact factor 2^(s-128)) and consumed at once; the packed bytes are
+read exactly once, prefetched ``PREFETCH_BYTES`` ahead (one thread's sequential stream
+alone did not keep the memory busy). For T > 1 a
 block of ``_RB`` rows is decoded the same way once into a small per-thread fp32 scratch (exact values, a few KiB per row) and reused for every
 token with 2-token x 2-row register tiles. Both paths compute the same canonical order
 of one output y[t, r] (P = C/2 bytes per row, ``LANES`` = 64 fp32 accumulators
@@ -127,10 +130,55 @@ def _half_scale_bits_ir(builder, s, vt):
     return builder.select(builder.icmp_unsigned("==", s, c(255)), c(0), bits)
 
 
+#: 2 x the E2M1 value of each nibble as a signed byte (nibble 8, -0, gives 0)
+_DEC2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def kernel_isa() -> str:
+    """The instruction set the MXFP4 nibble decode is compiled for: "avx512" (AVX-512BW
+    byte shuffles, 64 bytes a step), "avx2" (two 32-byte shuffles), or "generic" (plain
+    vector arithmetic, any CPU), from this machine's features; K3_KERNEL_ISA forces a
+    lower one (tests compare the paths; every path gives the same bits)."""
+    from llvmlite import binding
+
+    from .. import env
+    feats = binding.get_host_cpu_features()
+    have = ["generic"] + (["avx2"] if feats.get("avx2") else []) + \
+        (["avx512"] if feats.get("avx2") and feats.get("avx512bw") else [])
+    want = env.kernel_isa()
+    if want is None:
+        return have[-1]
+    if want not in have:
+        raise ValueError(f"K3_KERNEL_ISA={want}: this CPU offers {', '.join(have)}")
+    return want
+
+
 def _dec2_nibble_ir(builder, n, vt):
-    """E2M1 nibbles n (<L x i8>, 0..15) -> 2 x their value as signed i8: magnitude
-    m = n & 7 -> 0 1 2 3 4 6 8 12 (= m + max(m - 4, 0) + 2 [m == 7]), negated when bit
-    3 is set. Byte lanes: a 64-byte step is one or two vector registers."""
+    """E2M1 nibbles n (<L x i8>, 0..15) -> 2 x their value as signed i8 (_DEC2). With
+    AVX2 / AVX-512BW a byte shuffle looks the 16-entry table up (pshufb: one instruction
+    per 32 / 64 bytes); otherwise magnitude m = n & 7 -> 0 1 2 3 4 6 8 12
+    (= m + max(m - 4, 0) + 2 [m == 7]), negated when bit 3 is set. The same bytes
+    either way."""
+    isa = kernel_isa()
+    width = 64 if isa == "avx512" else 32 if isa == "avx2" else 0
+    if width and vt.count % width == 0:
+        bt = ir.VectorType(ir.IntType(8), width)
+        name = "llvm.x86.avx512.pshuf.b.512" if width == 64 else "llvm.x86.avx2.pshuf.b"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bt, [bt, bt]), name)
+        table = ir.Constant(bt, [ir.IntType(8)(v) for v in _DEC2 * (width // 16)])
+        parts = []
+        for k in range(vt.count // width):
+            piece = n if vt.count == width else builder.shuffle_vector(
+                n, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                              list(range(k * width, (k + 1) * width))))
+            parts.append(builder.call(fn, [table, piece]))
+        while len(parts) > 1:
+            a, b = parts[0], parts[1]
+            m = a.type.count
+            parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 2 * m),
+                                                              list(range(2 * m))))] + parts[2:]
+        return parts[0]
+
     def c(v):
         return ir.Constant(vt, [v] * vt.count)
     m = builder.and_(n, c(7))
@@ -175,14 +223,29 @@ def _f32_array(t):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
 
 
+#: how far ahead of the decode the packed bytes are prefetched (a hint: x86 prefetches
+#: never fault, so running past the matrix's end is harmless)
+PREFETCH_BYTES = 4096
+
+
+def _prefetch(builder, ptr):
+    """llvm.prefetch(ptr, read, high locality, data)."""
+    I32 = ir.IntType(32)
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), I32(0), I32(3), I32(1)])
+
+
 def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name):
     """Step 1 of the canonical order in registers: for j < n, decode bytes [64j, 64j+64)
     and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise, from the <64 x float> a0."""
     I64 = ir.IntType(64)
 
     def body(j, acc):
-        we, wo = _decode_step_ir(builder, pp, sp, j)
         off = builder.mul(j, I64(LANES))
+        _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
+        we, wo = _decode_step_ir(builder, pp, sp, j)
         a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
         return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
 
