@@ -143,7 +143,21 @@ def _row_ptr(context, builder, aryty, val, idx, off):
     return builder.gep(ary.data, [e], inbounds=True)
 
 
-def make_vdot(nt, nr, streams, wkind):
+#: how far ahead of its use a weight row is prefetched (make_vdot(prefetch=True), the MXFP4 T = 1 loop; a hint: x86
+#: prefetches never fault, so running past a matrix's end is harmless). One thread's
+#: sequential stream alone did not keep the memory busy (docs/PERFORMANCE.md, "Kernels").
+PREFETCH_BYTES = 4096
+
+
+def _prefetch(builder, ptr):
+    """llvm.prefetch(ptr, read, high locality, data)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(3), _I32(1)])
+
+
+def make_vdot(nt, nr, streams, wkind, prefetch: bool = False):
     """Build a numba intrinsic doing step 1 of the canonical order for register tiles
     of ``nt`` tokens x ``nr`` weight rows::
 
@@ -207,6 +221,10 @@ def make_vdot(nt, nr, streams, wkind):
 
                 def body(j, acc):
                     off = builder.mul(j, _I64(LANES))
+                    if prefetch:
+                        ahead = builder.add(off, _I64(PREFETCH_BYTES // (2 if wkind == "bf16" else 4)))
+                        for p in wp:
+                            _prefetch(builder, builder.gep(p, [ahead]))
                     xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
                     if wkind == "f32":
                         wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
@@ -227,7 +245,7 @@ def make_vdot(nt, nr, streams, wkind):
 
         return sig, codegen
 
-    typer.__name__ = f"vdot_{nt}x{nr}_s{streams}_{wkind}"
+    typer.__name__ = f"vdot_{nt}x{nr}_s{streams}_{wkind}{'_pf' if prefetch else ''}"
     return intrinsic(typer)
 
 
@@ -277,7 +295,7 @@ def _dot_bf16(typingctx, x, xi, w, wi, nj):
     return sig, codegen
 
 
-_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming
+_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming (prefetching measured no faster here)
 _vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
 _vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
 
