@@ -57,6 +57,16 @@ N_EXPERTS = 8
 BARS = {"mxfp4_linear": 1.5, "bf16_linear": 8.0}   # GB/s at T = 1 (brief's bars)
 
 
+def cpu_flags() -> str:
+    """The SIMD flags that matter to the kernels, from /proc/cpuinfo."""
+    want = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    try:
+        have = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in want if f in have) or "none of " + " ".join(want)
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -123,6 +133,68 @@ def fmt_table(rows) -> str:
     return "\n".join(out)
 
 
+def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[float, str]:
+    """The machine's fp32 FMA peak, measured: every thread runs 12 independent chains of
+    vector FMAs held in registers (16 lanes with AVX-512, 8 with AVX2: enough chains to
+    cover the latency of two FMA units). Returns (best GFMA/s over the threads, what ran)."""
+    import llvmlite.binding as ll
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from k3.quant.bf16 import counted_loop
+
+    feats = ll.get_host_cpu_features()
+    width = 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
+    chains = 12
+
+    @intrinsic
+    def _chains(typingctx, n, ab):
+        sig = types.float32(n, ab)
+
+        def codegen(context, builder, sig, args):
+            vf = ir.VectorType(ir.FloatType(), width)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                                f"llvm.fma.v{width}f32")
+            # a, b and the starting values come from memory, so nothing can be folded
+            p = context.make_array(sig.args[1])(context, builder, args[1]).data
+            one = builder.load(builder.gep(p, [ir.IntType(64)(0)]))
+            small = builder.load(builder.gep(p, [ir.IntType(64)(1)]))
+
+            def splat(x):
+                v = ir.Constant(vf, ir.Undefined)
+                for i in range(width):
+                    v = builder.insert_element(v, x, ir.IntType(32)(i))
+                return v
+            a, b = splat(one), splat(small)
+            inits = [splat(builder.fadd(one, builder.fmul(small, ir.Constant(ir.FloatType(), float(i)))))
+                     for i in range(chains)]
+            n64 = context.cast(builder, args[0], sig.args[0], types.int64)
+            fins = counted_loop(builder, n64, inits, lambda j, acc: [builder.call(fn, [v, a, b]) for v in acc],
+                                "fmapeak")
+            tot = fins[0]
+            for v in fins[1:]:
+                tot = builder.fadd(tot, v)
+            return builder.extract_element(tot, ir.IntType(32)(0))
+        return sig, codegen
+
+    @njit(parallel=True)
+    def run(n, nth, out, ab):
+        for t in prange(nth):
+            out[t] = _chains(n, ab)
+
+    out = np.zeros(threads, np.float32)
+    ab = np.array([0.9999999, 1e-7], np.float32)
+    run(10, threads, out, ab)  # compile
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run(iters, threads, out, ab)
+        best = max(best, threads * iters * chains * width / (time.perf_counter() - t0) / 1e9)
+    return best, f"{threads} threads x {chains} chains of {width}-lane FMAs"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T in {1, 16}, 3 reps, one shape per kernel")
@@ -163,6 +235,15 @@ def main(argv=None):
           + ", ".join(f"{k} {v:.2f} s" for k, v in first.items()), flush=True)
     print(f"# numba threading layer: {numba.threading_layer()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
           flush=True)
+
+    from k3.probe import memory_bandwidth
+    from k3.quant.mxfp4 import kernel_isa
+    bw = memory_bandwidth()
+    peak, how = fma_peak(args.threads)
+    isa = kernel_isa()
+    print(f"# CPU flags: {cpu_flags()}; MXFP4 decode path: {isa}", flush=True)
+    print(f"# probes: memory read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5); fp32 FMA peak "
+          f"{peak:.1f} GFMA/s ({how}, best of 3)", flush=True)
 
     args.tsv.parent.mkdir(parents=True, exist_ok=True)
     new = not args.tsv.exists()
@@ -209,6 +290,16 @@ def main(argv=None):
             bar = BARS[r["arm"]]
             print(f"# bar {r['arm']} {r['shape']} T=1: mean {r['gbs_mean']:.2f} GB/s, best {r['gbs_best']:.2f} "
                   f"(bar {bar} GB/s: {'PASS' if r['gbs_mean'] >= bar else 'below (re-run if load was high)'})")
+    mx_target = 12.0 if isa == "avx512" else 8.0
+    for r in rows:
+        if r["arm"] == "bf16_linear" and r["T"] == 1:
+            print(f"# target bf16_linear T=1 >= 85% of the bandwidth probe: {r['gbs_mean']:.2f} GB/s = "
+                  f"{100 * r['gbs_mean'] / bw:.0f}% ({r['shape']})")
+        if r["arm"] == "mxfp4_linear" and r["T"] == 1:
+            print(f"# target mxfp4_linear T=1 >= {mx_target:g} GB/s ({isa}): {r['gbs_mean']:.2f} GB/s ({r['shape']})")
+        if r["arm"] in ("bf16_linear", "mxfp4_linear") and r["T"] >= 4:
+            print(f"# target {r['arm']} T={r['T']} >= 50% of the FMA peak: {r['gfma']:.1f} GFMA/s = "
+                  f"{100 * r['gfma'] / peak:.0f}% ({r['shape']})")
     print(f"# every rep: {args.tsv} (run {run_id})")
 
 

@@ -177,8 +177,16 @@ def check_cpu(rep: Report) -> None:
     if machine in ("x86_64", "amd64") and info["flags"] and "avx2" not in info["flags"]:
         rep.warnings.append("this CPU has no AVX2: the BF16 and MXFP4 kernels run without vector units and "
                             "decoding will be several times slower.")
+    bw = None
+    try:
+        from .probe import memory_bandwidth
+        bw = memory_bandwidth(256 << 20, reps=3)
+        lines.append(f"memory read bandwidth: {bw:.1f} GB/s (sum over 256 MiB, best of 3, {usable} threads): a "
+                     "memory-bound decode step reads its weights at most this fast")
+    except Exception:  # pragma: no cover - no torch in this build
+        pass
     rep.data["cpu"] = {"model": info["model"], "usable": usable, "logical": logical, "physical": phys,
-                       "simd": have, "torch_capability": cap}
+                       "simd": have, "torch_capability": cap, "memory_gbps": bw}
 
 
 # ---------------------------------------------------------------- memory

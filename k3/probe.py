@@ -250,3 +250,20 @@ def probe_storage(target, files: Sequence[Path] | None = None, *, seconds: float
             scratch.unlink(missing_ok=True)
     res.seconds = time.perf_counter() - t_start
     return res
+
+
+def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """A STREAM-like read probe: the best GB/s (1e9 bytes) of ``reps`` sums over an fp32
+    array of ``nbytes`` on torch's threads. A decode step at T = 1 reads each weight
+    once, so this is the rate a memory-bound kernel can hope for (docs/PERFORMANCE.md)."""
+    import time
+
+    import torch
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = 0.0
+    for _ in range(reps + 1):  # the first pass also faults the pages in
+        t0 = time.perf_counter()
+        float(a.sum())
+        dt = time.perf_counter() - t0
+        best = max(best, a.numel() * 4 / dt / 1e9)
+    return best
