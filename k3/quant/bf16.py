@@ -300,6 +300,52 @@ _vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
 _vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
 
 
+def make_dotn_bf16(nr: int):
+    """An intrinsic returning (x[xi] . fp32(w[wi + k]) for k < nr): ``nr`` rows of
+    ``_dot_bf16`` at once, each with its own accumulators in its own canonical order (the
+    same bits), so that nr weight streams are in flight and the x loads are shared."""
+    def typer(typingctx, x, xi, w, wi, nj):
+        if _dot_bf16_typer_ok(x, xi, w, wi, nj) is None:
+            return None
+        sig = types.UniTuple(types.float32, nr)(x, xi, w, wi, nj)
+
+        def codegen(context, builder, sig, args):
+            def i64(k):
+                return context.cast(builder, args[k], sig.args[k], types.int64)
+
+            zero = _I64(0)
+            xp = _row_ptr(context, builder, sig.args[0], args[0], i64(1), zero)
+            wp = [_row_ptr(context, builder, sig.args[2], args[2], builder.add(i64(3), _I64(k)), zero)
+                  for k in range(nr)]
+
+            def body(j, acc):
+                off = builder.mul(j, _I64(LANES))
+                xv = _vload(builder, xp, off, _F32, LANES)
+                return [_vfma(builder, xv, widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)), a)
+                        for p, a in zip(wp, acc)]
+
+            z = ir.Constant(_VF, [0.0] * LANES)
+            fins = counted_loop(builder, i64(4), [z] * nr, body, f"dot{nr}")
+            return context.make_tuple(builder, sig.return_type, [tree_sum_ir(builder, f) for f in fins])
+
+        return sig, codegen
+
+    typer.__name__ = f"dot{nr}_bf16"
+    return intrinsic(typer)
+
+
+_dot4_bf16 = make_dotn_bf16(4)
+
+
+def _dot_bf16_typer_ok(x, xi, w, wi, nj):
+    if (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
+            and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
+            and w.dtype in (types.int16, types.uint16)
+            and all(isinstance(v, types.Integer) for v in (xi, wi, nj))):
+        return True
+    return None
+
+
 @intrinsic
 def _widen_row(typingctx, dst, src, nj):
     """dst[0:64*nj] = fp32(src[0:64*nj]) for bf16 bits src (vectorised, exact)."""
@@ -440,8 +486,18 @@ def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
             a = acc[0]
             r0 = (b - starts[g]) * rb1
             if km == K:                               # no tail: the whole row in registers
-                for n in range(r0, min(N, r0 + rb1)):
+                n1 = min(N, r0 + rb1)
+                n = r0
+                while n + 3 < n1:                     # four rows at a time: four streams in flight
+                    y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
+                    out[off + n] = y0
+                    out[off + n + 1] = y1
+                    out[off + n + 2] = y2
+                    out[off + n + 3] = y3
+                    n += 4
+                while n < n1:
                     out[off + n] = _dot_bf16(x, x0, w, n, nj)
+                    n += 1
                 continue
             for n in range(r0, min(N, r0 + rb1)):
                 _zero(a)
