@@ -136,7 +136,7 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     st = st if st is not None else MLAState()
     past = st.length
     if st.latent:
-        wkv = w["self_attn.kv_b_proj.weight"].reshape(H, nope + vd, cfg.kv_lora_rank).to(torch.float32)
+        wkv = _widened(w["self_attn.kv_b_proj.weight"]).reshape(H, nope + vd, cfg.kv_lora_rank)
         st.append(c, k_pe)
         q_lat = torch.einsum("thj,hjl->thl", q[..., :nope], wkv[:, :nope])  # W_k^T q_nope, per head
         o_lat = attend_latent(q_lat, q[..., nope:], st.k, st.v, past, scale)
@@ -148,6 +148,19 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     if cfg.mla_use_output_gate:
         o = o * sigmoid(gate[0])
     return linear(o, w["self_attn.o_proj.weight"])
+
+
+_WIDE: dict = {}
+
+
+def _widened(w: torch.Tensor) -> torch.Tensor:
+    """fp32(w) (exact) in a buffer kept per shape and reused by every step: a fresh
+    allocation of this size is a fresh mapping, page-faulted and zeroed again each time
+    (several ms a token at real sizes). Its bytes are in the plan's activation row."""
+    buf = _WIDE.get(tuple(w.shape))
+    if buf is None:
+        buf = _WIDE[tuple(w.shape)] = torch.empty(w.shape, dtype=torch.float32)
+    return buf.copy_(w)
 
 
 __all__ = ["MLAState", "mla_layer", "attend", "attend_latent", "MLA_NORM_EPS"]
