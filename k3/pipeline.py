@@ -470,8 +470,9 @@ class Stage:
                 continue
             for cmd in hdr.get("cmds", ()):
                 _apply(cmd, states, snaps, model)
+            cmds = [] if last else hdr.get("cmds", [])  # the ranks after this one apply them too
             if op == "exit":
-                self.link.send(self.next, {"op": "exit", "cmds": [] if last else hdr.get("cmds", [])})
+                self.link.send(self.next, {"op": "exit", "cmds": cmds})
                 self.link.flush()
                 return 0
             counters = dict(hdr.get("counters", {}))
@@ -488,7 +489,6 @@ class Stage:
                 # this pass's send included, so that rank 0's per-step deltas do not lag a pass behind
                 counters[self.rank] = dict(provider.counters(), net_bytes=self.link.sent + sum(
                     t.numel() * t.element_size() for t in out))
-            cmds = [] if last else hdr.get("cmds", [])  # the ranks after this one apply them too
             if hdr["op"] == "error":
                 self.link.send(self.next, dict(hdr, counters=counters, cmds=cmds))
             else:

@@ -319,3 +319,17 @@ def test_split_keeps_sequences_whole_and_in_order():
     for parts in (1, 2, 3, 5, 8):
         g = _split(b, parts)
         assert len(g) == min(parts, len(b)) and [x for grp in g for x in grp] == b
+
+
+def test_non_finite_numbers_on_another_rank_are_named(models, tmp_path):
+    """A NaN in a layer held by rank 1 of 3: rank 0 stops with the usual refusal (exit 1)
+    naming the rank and the layer, writes nothing, and the other ranks are told to stop."""
+    from test_reliability import _poison
+    bad = _poison(models("tiny", "k3"), "layers.2.self_attn.o_proj.weight", tmp_path / "bad")
+    out = tmp_path / "r.json"
+    res = run_ranks(3, ["run", str(bad), "--ids", ",".join(map(str, PROMPT)), "--gen", "3", "--threads", "1",
+                        "--greedy", "--out", str(out), "--pipeline-timeout", "60"], tmp_path)
+    assert res[0][0] == 1, res[0][2][-1500:]
+    err = res[0][2]
+    assert "after layer 2" in err and "NaN or inf" in err and "rank 1" in err and "Traceback" not in err
+    assert [c for c, _, _ in res[1:]] == [0, 0] and not out.exists()
