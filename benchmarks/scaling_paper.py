@@ -7,7 +7,7 @@ every tensor without writing any data), with the release's embedding and lm_head
 (163,840 x 7168 BF16 each, untied; the synth vocabulary is 2304). For each (N, M) the
 script does what `torchrun ... -m k3 run MODEL --trunk DIR` does before it loads a byte:
 
-* every rank's capacity (k3.pipeline.capacity: M GB x PLAN_FRACTION, less the baseline,
+* every rank's capacity (k3.memory.planner.trunk_room: M GB x PLAN_FRACTION, less the baseline,
   the fixed rows of the plan with the per-layer ones shared by N, the tables on rank 0
   and the expert cache's floor), then the layer ranges (k3.pipeline.assign_layers);
 * each rank's own memory plan (k3.memory.planner.plan, `--preset auto` with a packed
@@ -131,13 +131,8 @@ def plan_pipeline(m: K3, n: int, available: int, a, sequences: int = 1) -> list[
     shape = {"tokens": a.context * sequences, "incremental": True, "prefill_tokens": PIECE * sequences, "spec": 0,
              "kv_latent": True, "sequences": sequences}
     whole = range(cfg.num_hidden_layers)
-    fixed_rows = planner._fixed_rows(cfg, whole, shape["tokens"], True, a.baseline, available,
-                                     shape["prefill_tokens"], 0, True, sequences)
-    # k3.pipeline.join: a rank holds its share of the per-layer rows
-    per_layer = sum(b for name, b, _ in fixed_rows if name in ("recurrent state", "KV cache", "speculation"))
-    fixed = sum(b for _, b, _ in fixed_rows) - per_layer + per_layer // n - a.baseline
-    caps = [pipeline.capacity(rank_sizes(m, whole, r == 0), budgets, available=available, baseline=a.baseline,
-                              fixed=fixed, tables=r == 0) for r in range(n)]
+    caps = [planner.trunk_room(cfg, rank_sizes(m, whole, r == 0), budgets, available=available, baseline=a.baseline,
+                               n_layers=whole, share=n, tables=r == 0, **shape) for r in range(n)]
     ranges = pipeline.assign_layers(m.layer_bytes, caps) if n > 1 else [whole]
     out = []
     for r, layers in enumerate(ranges):

@@ -671,13 +671,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                  sequences=int(max_batch))
     if pipeline_timeout is not None and not (isinstance(pipeline_timeout, (int, float)) and 0 < pipeline_timeout < 1e7):
         raise UsageError(f"--pipeline-timeout must be a number of seconds > 0, got {pipeline_timeout}.")
+    baseline = sysmem.baseline_bytes()
     stage = None
     if launch is not None:
         from . import pipeline
-        baseline = sysmem.baseline_bytes()
-        fixed = planner._fixed_rows(cfg, layout.layer_ids, shape["tokens"], kv_cache, baseline, available,
-                                    shape["prefill_tokens"], spec, kv == "latent", int(max_batch))
-        stage = pipeline.join(cfg, layout, packed, budgets, available=available, baseline=baseline, fixed_rows=fixed,
+        stage = pipeline.join(cfg, layout, packed, budgets, available=available, baseline=baseline, shape=shape,
                               timeout=pipeline.DEFAULT_TIMEOUT if pipeline_timeout is None else float(pipeline_timeout),
                               run={"max_context": int(max_context), "max_batch": int(max_batch), "spec": spec,
                                    "kv": kv, "prefill_chunk": prefill_chunk, "layers": layout.n_layers,
@@ -686,7 +684,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         layout.validate()
     try:
         sizes = model_sizes(layout, packed, tables=stage is None or stage.rank == 0)
-        plan = planner.plan(cfg, sizes, budgets, available=available, baseline=sysmem.baseline_bytes(),
+        plan = planner.plan(cfg, sizes, budgets, available=available, baseline=baseline,
                             n_layers=layout.layer_ids, pin_order=env.pin_order(), **shape)
         for n in plan.notes:
             say(n)

@@ -17,9 +17,10 @@ torch.distributed (gloo over TCP, CPU) carries everything: no transport of our o
   state; for K3 the Attention Residuals bank and partial sum) to rank 1, ..., and the
   last rank sends it back to rank 0, which finishes the pass and picks the tokens. A
   long pass over several sequences (a batch's prefill) is cut into micro-batches (one
-  per rank at most) so that the stages work at once. Each rank keeps its own layers' KDA/MLA state and expert cache; the commands
-  that change a sequence's state (new, snapshot, restore, rollback, clone, drop) ride
-  on the next pass, so a state on rank 0 and its parts on the other ranks stay one.
+  per rank at most) so that the stages work at once. Each rank keeps its own layers'
+  KDA/MLA state and expert cache; the commands that change a sequence's state (new,
+  snapshot, restore, rollback, clone, drop) ride on the next pass, so a state on rank 0
+  and its parts on the other ranks stay one.
 * Faults: gloo's timeout bounds every receive; rank 0 pings the ring when idle so that
   waiting is not mistaken for a hang. A rank that dies, hangs or cannot be reached
   makes every other rank stop with one message and exit code 5; nothing is written as
@@ -44,18 +45,13 @@ import torch
 from . import env
 from .errors import EXIT_PIPELINE, K3Error, NumericError, PipelineError, ReadError
 from .model.stack import InferenceState, Model
-from .units import GB, human
+from .units import human
 
 #: default seconds a rank waits for its neighbour before it declares it lost
 DEFAULT_TIMEOUT = 600.0
 #: a pass over at least this many tokens (of several sequences) goes as micro-batches
 MICRO_TOKENS = 64
 _HASH_SAMPLE = 1 << 16  # bytes of each shard's data hashed (its start and end) for the fingerprint
-
-
-def launched() -> tuple[int, int] | None:
-    """(rank, world size) when this process is one rank of a multi-process launch."""
-    return env.launch()
 
 
 def checkpoint_digest(index) -> str:
@@ -126,6 +122,12 @@ def carry_bytes(cfg, first: int, tokens: int = 1) -> int:
     if cfg.attn_res_block_size is None:
         return tokens * d * 4
     return tokens * d * 4 * (-(-first // cfg.attn_res_block_size) + 1)
+
+
+def _carry_tensors(carry) -> list:
+    """The tensors of a carry (bank, x), in the order they travel."""
+    bank, x = carry
+    return ([] if bank is None else list(bank)) + [x]
 
 
 # ====================================================================== messages
@@ -235,13 +237,12 @@ class Stage:
 
     # ---------------------------------------------------------------- joining
     @classmethod
-    def join(cls, cfg, index, *, n_layers: int, layer_bytes, fingerprint: dict, capacity: int,
-             timeout: float) -> "Stage":
+    def join(cls, *, n_layers: int, layer_bytes, fingerprint: dict, capacity: int, timeout: float) -> "Stage":
         """Connect to the other ranks, compare fingerprints, agree on the layer ranges."""
         import datetime
 
         import torch.distributed as dist
-        rank, world = launched()
+        rank, world = env.launch()
         host = socket.gethostname()
         if not dist.is_initialized():
             import atexit
@@ -397,9 +398,8 @@ class Stage:
             self.remote[r] = c
 
     def _send_carry(self, dst, header, carry) -> None:
-        bank, x = carry
-        tensors = ([] if bank is None else list(bank)) + [x]
-        self.link.send(dst, dict(header, bank=None if bank is None else len(bank)), tensors)
+        bank = carry[0]
+        self.link.send(dst, dict(header, bank=None if bank is None else len(bank)), _carry_tensors(carry))
 
     def _recv_carry(self, src):
         hdr, tensors = self.link.recv(src)
@@ -485,10 +485,9 @@ class Stage:
                            "kind": type(e).__name__, "exit_code": getattr(e, "exit_code", 1),
                            "k3": isinstance(e, K3Error)}
                     carry = None
-                out = [] if carry is None else ([] if carry[0] is None else list(carry[0])) + [carry[1]]
                 # this pass's send included, so that rank 0's per-step deltas do not lag a pass behind
                 counters[self.rank] = dict(provider.counters(), net_bytes=self.link.sent + sum(
-                    t.numel() * t.element_size() for t in out))
+                    t.numel() * t.element_size() for t in (_carry_tensors(carry) if carry is not None else ())))
             if hdr["op"] == "error":
                 self.link.send(self.next, dict(hdr, counters=counters, cmds=cmds))
             else:
@@ -607,38 +606,22 @@ class PipelineModel(Model):
         return self.stage.run_pass(self, batch, observer)
 
 
-def capacity(sizes, budgets, *, available: int, baseline: int, fixed: int, tables: bool) -> int:
-    """The trunk bytes a rank can hold, for the layer assignment: its --trunk-gb when
-    given with a packed trunk, else what its memory leaves after the fixed rows, the
-    tables (rank 0) and the expert cache's floor (or its --cache-gb)."""
-    from .memory.planner import PLAN_FRACTION, TABLE_STREAM_BYTES, _explicit
-    _, trunk, cache = _explicit(budgets)
-    if budgets.trunk is not None and trunk is not None:
-        return trunk
-    if cache is None:
-        cache = (sizes.top_k + 1) * sizes.slot_bytes
-    t = (TABLE_STREAM_BYTES if budgets.stream_tables else sizes.table_bytes) if tables else 0
-    return max(1, int(PLAN_FRACTION * available) - baseline - fixed - t - cache)
-
-
 def join(cfg, layout, packed, budgets, *, timeout: float, available: int, baseline: int, run: dict,
-         fixed_rows) -> Stage:
+         shape: dict) -> Stage:
     """Join the pipeline this process was launched into: the handshake and the layer
-    ranges (``layout`` covers the whole stack; ``fixed_rows`` are the plan's fixed rows
-    for it, of which a rank holds its share of the per-layer ones)."""
+    ranges (``layout`` covers the whole stack; ``shape`` holds the plan's sizing
+    arguments: tokens, incremental, prefill_tokens, spec, kv_latent, sequences)."""
     from . import __version__
+    from .memory.planner import trunk_room
     from .memory.streaming import model_sizes
-    rank, world = launched()
-    if not timeout > 0:
-        raise PipelineError(f"--pipeline-timeout must be > 0 seconds, got {timeout}.")
+    rank, world = env.launch()
     sizes = model_sizes(layout, packed, tables=rank == 0)
-    per_layer = sum(b for name, b, _ in fixed_rows if name in ("recurrent state", "KV cache", "speculation"))
-    fixed = sum(b for _, b, _ in fixed_rows) - per_layer + per_layer // world - baseline
     fp = {"k3": __version__, "config": cfg.fingerprint(), "checkpoint": checkpoint_digest(layout.index),
           "trunk": "streamed" if packed is not None else "resident", **run}
-    cap = capacity(sizes, budgets, available=available, baseline=baseline, fixed=fixed, tables=rank == 0)
-    return Stage.join(cfg, layout.index, n_layers=layout.n_layers, layer_bytes=sizes.layer_bytes, fingerprint=fp,
-                      capacity=cap, timeout=timeout)
+    cap = trunk_room(cfg, sizes, budgets, available=available, baseline=baseline, n_layers=layout.layer_ids,
+                     share=world, tables=rank == 0, **shape)
+    return Stage.join(n_layers=layout.n_layers, layer_bytes=sizes.layer_bytes, fingerprint=fp, capacity=cap,
+                      timeout=timeout)
 
 
 def plan_info(stage: Stage, plan, sizes, refusal: K3Error | None) -> dict:
@@ -647,10 +630,10 @@ def plan_info(stage: Stage, plan, sizes, refusal: K3Error | None) -> dict:
     return {"host": stage.hosts[stage.rank], "layers": [stage.layers.start, stage.layers.stop],
             "trunk_bytes": trunk, "pinned_bytes": tp.pinned_bytes if tp is not None else trunk,
             "read_per_token": plan.read_per_token, "cache_slots": plan.cache_slots, "total": plan.total,
-            "available": plan.available, "summary": plan.summary(),
+            "available": plan.available,
             "refusal": str(refusal) if refusal is not None else None,
             "exit_code": refusal.exit_code if refusal is not None else 0}
 
 
 __all__ = ["Stage", "PipelineModel", "PipelineState", "assign_layers", "carry_bytes", "checkpoint_digest",
-           "launched", "DEFAULT_TIMEOUT", "GB"]
+           "DEFAULT_TIMEOUT", "MICRO_TOKENS"]

@@ -161,7 +161,7 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 
 def run(args) -> int:
     from ..config import load_config
-    from ..env import launch as launched
+    from .. import env
     from ..engine import check_ids, load, set_threads
     from ..memory.planner import presets_table
     from ..memory.sysmem import peak_rss_bytes
@@ -174,7 +174,7 @@ def run(args) -> int:
     check_model_dir(args.model)
     if not 0 <= args.gen <= MAX_GEN:
         raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {args.gen}.")
-    if (args.save_state or args.load_state) and launched() is not None:
+    if (args.save_state or args.load_state) and env.launch() is not None:
         raise UsageError("--save-state/--load-state are for one process: under torchrun each rank holds only its "
                          "layers' part of the state. Run without torchrun to save or resume a state file.")
     if (args.save_state or args.load_state) and not args.incremental:

@@ -578,6 +578,28 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
     return preset, trunk, cache
 
 
+def trunk_room(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int, baseline: int, tokens: int,
+               incremental: bool, prefill_tokens: int, spec: int = 0, kv_latent: bool = True, sequences: int = 1,
+               n_layers: int | range | None = None, share: int = 1, tables: bool = True) -> int:
+    """The trunk bytes a process can hold beside the rest of its plan, before it knows
+    which layers it gets (a pipeline's layer assignment, k3.pipeline): its --trunk-gb
+    when given with a packed trunk; otherwise what PLAN_FRACTION of ``available`` leaves
+    after the fixed rows of ``n_layers`` (the per-layer ones - recurrent state, KV cache,
+    speculation - divided among the ``share`` processes that split the layers), the
+    model tables (when ``tables``) and the expert cache's floor (or its --cache-gb)."""
+    _, trunk, cache = _explicit(budgets)
+    if budgets.trunk is not None and trunk is not None:
+        return trunk
+    rows = _fixed_rows(cfg, layer_ids(cfg, n_layers), tokens, incremental, baseline, available, prefill_tokens, spec,
+                       kv_latent, sequences)
+    per_layer = sum(b for name, b, _ in rows if name in ("recurrent state", "KV cache", "speculation"))
+    fixed = sum(b for _, b, _ in rows) - per_layer + per_layer // share
+    if cache is None:
+        cache = (sizes.top_k + 1) * sizes.slot_bytes
+    t = (TABLE_STREAM_BYTES if budgets.stream_tables else sizes.table_bytes) if tables else 0
+    return max(1, int(PLAN_FRACTION * available) - fixed - t - cache)
+
+
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
          baseline: int, n_layers: int | range | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
          spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> Plan:
