@@ -39,24 +39,6 @@ def free_port() -> int:
     return port
 
 
-def _group(ceiling_gib: float, tag: str) -> Path:
-    g = bl.CGROUP_V1 / f"k3bench_{tag}_{os.getpid()}_{int(time.time() * 1000) % 10**9}"
-    g.mkdir()
-    (g / "memory.limit_in_bytes").write_text(str(int(ceiling_gib * (1 << 30))))
-    return g
-
-
-def _drop(g: Path) -> tuple[int | None, int | None]:
-    fc, mx = bl._read_int(g / "memory.failcnt"), bl._read_int(g / "memory.max_usage_in_bytes")
-    for _ in range(50):
-        try:
-            g.rmdir()
-            break
-        except OSError:
-            time.sleep(0.1)
-    return fc, mx
-
-
 def run_arm(world: int, a, work: Path, rep: int) -> dict:
     """One run of `world` processes (1: plain), each in its own group; rank 0's JSON."""
     out = work / f"pipe{world}-{rep}-{int(time.time())}.json"
@@ -65,18 +47,17 @@ def run_arm(world: int, a, work: Path, rep: int) -> dict:
     port = free_port()
     procs, groups = [], []
     for r in range(world):
-        g = _group(a.ceiling, f"r{r}")
+        g = bl.make_group(a.ceiling, f"r{r}_")
         groups.append(g)
         env = dict(os.environ)
         if world > 1:
             env.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
         log = open(work / f"pipe{world}-{rep}-r{r}.log", "w")
-        procs.append(subprocess.Popen(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(g), *argv],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(bl.in_group(g, argv), env=env, stdout=log, stderr=subprocess.STDOUT))
     load1 = bl.loadavg()
     rcs = [p.wait(timeout=3600) for p in procs]
-    stats = [_drop(g) for g in groups]
+    stats = [bl.drop_group(g) for g in groups]
     res = {"_rc": rcs, "_fail": [s[0] for s in stats], "_max": [s[1] for s in stats], "_load1": load1}
     if any(rcs) or not out.exists():
         res["_error"] = (work / f"pipe{world}-{rep}-r0.log").read_text(errors="replace")[-600:]

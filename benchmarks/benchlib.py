@@ -80,10 +80,8 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
     if ceiling_gb is not None:
         if not cgroup_available():
             raise RuntimeError("cgroup v1 memory controller not writable: cannot apply a ceiling")
-        group = CGROUP_V1 / f"k3bench_{os.getpid()}_{int(time.time() * 1000) % 10**9}"
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(int(ceiling_gb * (1 << 30))))
-        cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *cmd]
+        group = make_group(ceiling_gb)
+        cmd = in_group(group, cmd)
     load1 = loadavg()
     t0 = time.perf_counter()
     try:
@@ -91,17 +89,7 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
             rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=timeout).returncode
     finally:
         wall = time.perf_counter() - t0
-        if group is not None:
-            failcnt = _read_int(group / "memory.failcnt")
-            maxu = _read_int(group / "memory.max_usage_in_bytes")
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-        else:
-            failcnt = maxu = None
+        failcnt, maxu = drop_group(group) if group is not None else (None, None)
     meta = {"_rc": rc, "_wall": wall, "_log": str(log), "_ceiling_gb": ceiling_gb, "_load1": load1,
             "_cg_failcnt": failcnt, "_cg_max_usage": maxu, "_cmd": " ".join(cmd)}
     if rc != 0 or not out.exists():
@@ -111,6 +99,32 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
     d = json.loads(out.read_text())
     d.update(meta)
     return d
+
+
+def make_group(ceiling_gib: float, tag: str = "") -> Path:
+    """A fresh cgroup-v1 memory group with a hard ceiling of ``ceiling_gib`` GiB."""
+    g = CGROUP_V1 / f"k3bench_{tag}{os.getpid()}_{int(time.time() * 1000) % 10**9}"
+    g.mkdir()
+    (g / "memory.limit_in_bytes").write_text(str(int(ceiling_gib * (1 << 30))))
+    return g
+
+
+def in_group(group: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so that it runs inside ``group``."""
+    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *cmd]
+
+
+def drop_group(group: Path) -> tuple[int | None, int | None]:
+    """Remove ``group`` (once its processes are gone); returns (failcnt, peak usage bytes)."""
+    failcnt = _read_int(group / "memory.failcnt")
+    maxu = _read_int(group / "memory.max_usage_in_bytes")
+    for _ in range(50):
+        try:
+            group.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return failcnt, maxu
 
 
 def _read_int(p: Path):
