@@ -286,7 +286,11 @@ class Stage:
         every rank, naming it."""
         import torch.distributed as dist
         every = [None] * self.world
-        dist.all_gather_object(every, info)
+        try:
+            dist.all_gather_object(every, info)
+        except RuntimeError as e:  # a rank that failed before its plan was made: it says why
+            raise PipelineError(f"{self.who(self.rank)}: another rank stopped before sharing its memory plan "
+                                f"(its own output says why), so the pipeline cannot start ({e}).") from None
         self.plans = every
         for r, p in enumerate(every):
             if p.get("refusal"):

@@ -88,8 +88,7 @@ class StreamingWeights:
         self._layers = None
         if plan.trunk is not None:
             from .trunk import TrunkStreamer
-            if self.first or packed.n_layers > self.n_layers:
-                packed = packed.slice(self.first, self.n_layers)
+            packed = packed.slice(self.first, self.n_layers)  # the layers this provider holds
             self.trunk = TrunkStreamer(packed, plan.trunk, io_threads=plan.budgets.io_threads, reader=trunk_reader)
         else:
             self._layers = []

@@ -18,6 +18,8 @@ A run uses one form for prefill, decode and full recompute alike.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..config import MLA_NORM_EPS
@@ -150,16 +152,17 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     return linear(o, w["self_attn.o_proj.weight"])
 
 
-_WIDE: dict = {}
+_WIDE = threading.local()  # per thread: two engines decoding in two threads never share one
 
 
 def _widened(w: torch.Tensor) -> torch.Tensor:
     """fp32(w) (exact) in a buffer kept per shape and reused by every step: a fresh
     allocation of this size is a fresh mapping, page-faulted and zeroed again each time
     (several ms a token at real sizes). Its bytes are in the plan's activation row."""
-    buf = _WIDE.get(tuple(w.shape))
+    bufs = _WIDE.__dict__.setdefault("bufs", {})
+    buf = bufs.get(tuple(w.shape))
     if buf is None:
-        buf = _WIDE[tuple(w.shape)] = torch.empty(w.shape, dtype=torch.float32)
+        buf = bufs[tuple(w.shape)] = torch.empty(w.shape, dtype=torch.float32)
     return buf.copy_(w)
 
 

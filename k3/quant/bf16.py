@@ -143,21 +143,7 @@ def _row_ptr(context, builder, aryty, val, idx, off):
     return builder.gep(ary.data, [e], inbounds=True)
 
 
-#: how far ahead of its use a weight row is prefetched (make_vdot(prefetch=True), the MXFP4 T = 1 loop; a hint: x86
-#: prefetches never fault, so running past a matrix's end is harmless). One thread's
-#: sequential stream alone did not keep the memory busy (docs/PERFORMANCE.md, "Kernels").
-PREFETCH_BYTES = 4096
-
-
-def _prefetch(builder, ptr):
-    """llvm.prefetch(ptr, read, high locality, data)."""
-    i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(3), _I32(1)])
-
-
-def make_vdot(nt, nr, streams, wkind, prefetch: bool = False):
+def make_vdot(nt, nr, streams, wkind):
     """Build a numba intrinsic doing step 1 of the canonical order for register tiles
     of ``nt`` tokens x ``nr`` weight rows::
 
@@ -221,10 +207,6 @@ def make_vdot(nt, nr, streams, wkind, prefetch: bool = False):
 
                 def body(j, acc):
                     off = builder.mul(j, _I64(LANES))
-                    if prefetch:
-                        ahead = builder.add(off, _I64(PREFETCH_BYTES // (2 if wkind == "bf16" else 4)))
-                        for p in wp:
-                            _prefetch(builder, builder.gep(p, [ahead]))
                     xv = [_vload(builder, p, off, _F32, LANES) for p in xp]
                     if wkind == "f32":
                         wv = [_vload(builder, p, off, _F32, LANES) for p in wp]
@@ -245,7 +227,7 @@ def make_vdot(nt, nr, streams, wkind, prefetch: bool = False):
 
         return sig, codegen
 
-    typer.__name__ = f"vdot_{nt}x{nr}_s{streams}_{wkind}{'_pf' if prefetch else ''}"
+    typer.__name__ = f"vdot_{nt}x{nr}_s{streams}_{wkind}"
     return intrinsic(typer)
 
 
@@ -263,51 +245,26 @@ def tree_sum_ir(builder, v):
     return builder.extract_element(v, _I32(0))
 
 
-@intrinsic
-def _dot_bf16(typingctx, x, xi, w, wi, nj):
-    """x[xi] . fp32(w[wi]) over K = 64 * nj elements (no tail), the whole canonical
-    order in registers: lanes from +0.0, nj fma steps, the halving tree. The same bits
-    as ``_zero`` + ``_vdot_bf16`` + ``_tree_sum``, without a trip through memory per row
-    (which dominates short rows)."""
-    if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
-            and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
-            and w.dtype in (types.int16, types.uint16)
-            and all(isinstance(v, types.Integer) for v in (xi, wi, nj))):
-        return None
-    sig = types.float32(x, xi, w, wi, nj)
-
-    def codegen(context, builder, sig, args):
-        def i64(k):
-            return context.cast(builder, args[k], sig.args[k], types.int64)
-
-        zero = _I64(0)
-        xp = _row_ptr(context, builder, sig.args[0], args[0], i64(1), zero)
-        wp = _row_ptr(context, builder, sig.args[2], args[2], i64(3), zero)
-
-        def body(j, acc):
-            off = builder.mul(j, _I64(LANES))
-            wv = widen_bf16_vec(builder, _vload(builder, wp, off, _I16, LANES))
-            return [_vfma(builder, _vload(builder, xp, off, _F32, LANES), wv, acc[0])]
-
-        fin, = counted_loop(builder, i64(4), [ir.Constant(_VF, [0.0] * LANES)], body, "dot")
-        return tree_sum_ir(builder, fin)
-
-    return sig, codegen
-
-
-_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming (prefetching measured no faster here)
+_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming
 _vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
 _vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
 
 
 def make_dotn_bf16(nr: int):
-    """An intrinsic returning (x[xi] . fp32(w[wi + k]) for k < nr): ``nr`` rows of
-    ``_dot_bf16`` at once, each with its own accumulators in its own canonical order (the
-    same bits), so that nr weight streams are in flight and the x loads are shared."""
+    """An intrinsic ``dot(x, xi, w, wi, nj)``: x[xi] . fp32(w[wi + k]) for k < nr over K =
+    64 * nj elements (no tail), each row's whole canonical order in registers (lanes from
+    +0.0, nj fma steps, the halving tree): the same bits as ``_zero`` + ``_vdot_bf16`` +
+    ``_tree_sum``, without a trip through memory per row (which dominates short rows).
+    nr > 1 rows at once keep nr weight streams in flight and share the x loads; the
+    result is then a tuple."""
     def typer(typingctx, x, xi, w, wi, nj):
-        if _dot_bf16_typer_ok(x, xi, w, wi, nj) is None:
+        if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
+                and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
+                and w.dtype in (types.int16, types.uint16)
+                and all(isinstance(v, types.Integer) for v in (xi, wi, nj))):
             return None
-        sig = types.UniTuple(types.float32, nr)(x, xi, w, wi, nj)
+        ret = types.float32 if nr == 1 else types.UniTuple(types.float32, nr)
+        sig = ret(x, xi, w, wi, nj)
 
         def codegen(context, builder, sig, args):
             def i64(k):
@@ -325,8 +282,8 @@ def make_dotn_bf16(nr: int):
                         for p, a in zip(wp, acc)]
 
             z = ir.Constant(_VF, [0.0] * LANES)
-            fins = counted_loop(builder, i64(4), [z] * nr, body, f"dot{nr}")
-            return context.make_tuple(builder, sig.return_type, [tree_sum_ir(builder, f) for f in fins])
+            sums = [tree_sum_ir(builder, f) for f in counted_loop(builder, i64(4), [z] * nr, body, f"dot{nr}")]
+            return sums[0] if nr == 1 else context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen
 
@@ -334,16 +291,8 @@ def make_dotn_bf16(nr: int):
     return intrinsic(typer)
 
 
+_dot_bf16 = make_dotn_bf16(1)
 _dot4_bf16 = make_dotn_bf16(4)
-
-
-def _dot_bf16_typer_ok(x, xi, w, wi, nj):
-    if (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
-            and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
-            and w.dtype in (types.int16, types.uint16)
-            and all(isinstance(v, types.Integer) for v in (xi, wi, nj))):
-        return True
-    return None
 
 
 @intrinsic

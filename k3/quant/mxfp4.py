@@ -51,7 +51,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum,
-                   _vfma, _vload, _vstore, _zero, PREFETCH_BYTES, _prefetch, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
+                   _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
                    job_table, make_vdot)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
@@ -221,6 +221,22 @@ def _u8_array(t):
 
 def _f32_array(t):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+
+
+#: how far ahead of the T = 1 decode the packed bytes are prefetched (a hint: x86
+#: prefetches never fault, so running past a matrix's end is harmless). One thread's
+#: sequential stream alone did not keep the memory busy (docs/PERFORMANCE.md, "Kernels");
+#: the BF16 kernel measured no faster with it.
+PREFETCH_BYTES = 4096
+
+
+def _prefetch(builder, ptr):
+    """llvm.prefetch(ptr, read, high locality, data)."""
+    I32 = ir.IntType(32)
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), I32(0), I32(3), I32(1)])
 
 
 def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name):
