@@ -46,25 +46,17 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numba  # noqa: E402
 
+from benchlib import cpu_flags  # noqa: E402
 from k3.quant import bf16_linear, decode_mxfp4, mxfp4_linear, set_num_threads  # noqa: E402
 
 MX_SHAPES = [("w1/w3", 3072, 3584), ("w2", 3584, 3072)]
 BF_SHAPES = [("q/kv-like", 12288, 7168), ("o/down-like", 7168, 12288)]
 N_EXPERTS = 8
 BARS = {"mxfp4_linear": 1.5, "bf16_linear": 8.0}   # GB/s at T = 1 (brief's bars)
-
-
-def cpu_flags() -> str:
-    """The SIMD flags that matter to the kernels, from /proc/cpuinfo."""
-    want = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    try:
-        have = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in want if f in have) or "none of " + " ".join(want)
 
 
 def cpu_name() -> str:
@@ -241,7 +233,7 @@ def main(argv=None):
     bw = memory_bandwidth()
     peak, how = fma_peak(args.threads)
     isa = kernel_isa()
-    print(f"# CPU flags: {cpu_flags()}; MXFP4 decode path: {isa}", flush=True)
+    print(f"# CPU: {cpu_flags()}; MXFP4 decode path: {isa}", flush=True)
     print(f"# probes: memory read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5); fp32 FMA peak "
           f"{peak:.1f} GFMA/s ({how}, best of 3)", flush=True)
 

@@ -464,5 +464,5 @@ def cpu_flags() -> str:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     return f"{name} [{' '.join(simd) or 'no avx2'}]"
