@@ -205,7 +205,8 @@ def main(argv=None):
 
     set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    run_id = time.strftime("%Y%m%dT%H%M%S")
+    from k3.quant.bf16 import kernel_isa
+    run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{kernel_isa()}"   # the kernel path is part of every row's run
     print(f"# run {run_id}: {cpu_name()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
           f"threads={numba.get_num_threads()}, torch {torch.__version__} threads={torch.get_num_threads()}, "
           f"load {loadavg()}", flush=True)
@@ -229,7 +230,6 @@ def main(argv=None):
           flush=True)
 
     from k3.probe import memory_bandwidth
-    from k3.quant.mxfp4 import kernel_isa
     bw = memory_bandwidth()
     peak, how = fma_peak(args.threads)
     isa = kernel_isa()

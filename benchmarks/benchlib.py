@@ -465,4 +465,12 @@ def cpu_flags() -> str:
     except OSError:
         pass
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
-    return f"{name} [{' '.join(simd) or 'no avx2'}]"
+    line = f"{name} [{' '.join(simd) or 'no avx2'}]"
+    try:
+        import numba
+        from k3.quant.bf16 import kernel_isa
+        if numba.config.CPU_FEATURES or numba.config.CPU_NAME not in (None, "", "host"):
+            line += f", kernels compiled for {numba.config.CPU_NAME or 'host'} ({kernel_isa()} path)"
+    except Exception:  # noqa: BLE001 - a label, never a reason to fail a benchmark
+        pass
+    return line

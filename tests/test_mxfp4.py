@@ -268,14 +268,22 @@ for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (64, 2048, 1
     x = torch.randn(T, C, generator=g)
     outs.append(mxfp4_linear(x, p, s))
     outs.append(mxfp4_grouped(x, [(p, s), (p[: R // 2], s[: R // 2])], [(0, T), (T - 1, T)]))
+# the BF16 tiles too (their register width and lane order follow the path)
+from k3.quant import bf16_grouped, bf16_linear
+for N, K, T in ((29, 64 * 9 + 5, 1), (50, 2048 + 64, 2), (31, 4096, 5), (25, 640, 9)):
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(T, K, generator=g)
+    outs.append(bf16_linear(x, w))
+    outs.append(bf16_grouped(x, [w, w[: N // 2]], [(0, T), (T - 1, T)]))
 torch.save(outs, sys.argv[1])
 """
 
 
 def test_every_instruction_set_path_gives_the_same_bits(tmp_path):
-    """The MXFP4 nibble decode compiles to byte shuffles (AVX-512BW, AVX2) or plain vector
-    arithmetic: each path forced in a fresh process (its own numba cache: compiled code
-    is cached per CPU, not per path) gives the same bits."""
+    """The kernels compile per path: MXFP4 nibbles decoded by byte shuffles (AVX-512BW,
+    AVX2) or plain vector arithmetic, register tiles of 16, 8 or 4 lanes (the BF16 tiles
+    in a lane order of their own): each path forced in a fresh process (its own numba
+    cache: compiled code is cached per CPU, not per path) gives the same bits."""
     import os
     import subprocess
     import sys

@@ -21,18 +21,29 @@ Canonical order of ``y[t, n] = sum_k x[t, k] * w[n, k]`` (K = in-features)
 3. halving tree: for h = 32, 16, 8, 4, 2, 1: ``a[i] = a[i] + a[i + h]`` (i < h);
    the result is ``a[0]``.
 
-How it is enforced: step 1 is a hand-written LLVM vector loop (``<64 x float>``
-accumulators held in registers, ``llvm.fma.v64f32``; see ``make_vdot``). Lanes are
-explicit, no fast-math flag is ever set, so LLVM may split the 64 lanes over any SIMD
-width (AVX2, AVX-512, NEON) but cannot reorder a lane's sum: the bits depend on nothing
-but IEEE fp32 fma semantics. Steps 2-3 are plain scalar numba code (no fastmath).
+How it is enforced: step 1 is hand-written LLVM vector code (lanes are explicit,
+``llvm.fma`` on float vectors; no fast-math flag is ever set), so LLVM may map the 64
+lanes onto any SIMD width but cannot reorder a lane's sum: the bits depend on nothing
+but IEEE fp32 fma semantics. Steps 2-3 are scalar numba code or the same additions
+on a register vector (``tree_sum_ir``).
 
 Kernels are numba ``@njit(parallel=True, cache=True, nogil=True)`` functions with
 ``prange`` over fixed blocks of output rows, so every output element is produced by
-exactly one thread. For T = 1 each weight row is streamed once (memory bound). For
-T > 1 a block of rows is widened once per K-chunk into an fp32 scratch and reused for
-every token, with a 2-token x 2-row register tile; the accumulator lanes persist
-across chunks, so the order is still the canonical one.
+exactly one thread.
+
+* T = 1 (decode): each weight row is streamed once, four rows at a time, its 64 lanes
+  in registers (memory bound).
+* T > 1 (batches, speculative checks, prefill): register tiles of ``_NT`` tokens x
+  ``_NR`` rows (``make_tile``). The 64 lanes are 64 independent sums, so a tile works
+  on one machine register of lanes at a time (16 with AVX-512, 8 with AVX2,
+  ``kernel_isa``) and keeps nt x nr accumulators in registers, loading each weight
+  vector once for nt tokens and each activation vector once for nr rows. A 32-bit load
+  of two bf16 gives the even element by a shift and the odd one by a mask, so the
+  tiles hold even and odd elements in separate registers: the activations are copied
+  once per call into that lane order (``pair_split_x``) and the lanes put back in
+  canonical order before the tree. One token tile sweeps the whole of K in chunks of
+  ``_KC`` (its activation chunk stays in L1, its accumulators in L1 between chunks);
+  the last chunk trees the lanes straight into the output.
 """
 
 from __future__ import annotations
@@ -53,9 +64,8 @@ LANES = 64
 
 # Blocking (performance only; none of these changes a single output bit).
 _RB1 = 32    # rows per prange iteration, T = 1
-_RB = 8      # weight rows per block (one prange iteration), T > 1
-_TB = 64     # tokens per block (bounds the accumulator scratch)
-_KC = 1024   # K-chunk (elements, multiple of LANES) widened per step, T > 1
+_RB = 24     # weight rows per block (one prange iteration), T > 1 (a multiple of every _NR)
+_KC = 2048   # K-chunk (elements, multiple of LANES) of the T > 1 tiles
 
 
 # =========================================================================== SIMD blocks
@@ -64,17 +74,13 @@ _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _VF = ir.VectorType(_F32, LANES)
-_VI32 = ir.VectorType(_I32, LANES)
-
-
-def _splat_i32(v):
-    return ir.Constant(_VI32, [v] * LANES)
 
 
 def _vfma(builder, a, b, c):
-    """Lane-wise a*b + c, one rounding (llvm.fma.v64f32)."""
-    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{LANES}f32")
+    """Lane-wise a*b + c, one rounding (llvm.fma.v<n>f32 for <n x float> operands)."""
+    vt = a.type
+    fnty = ir.FunctionType(vt, [vt, vt, vt])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{vt.count}f32")
     return builder.call(fn, [a, b, c])
 
 
@@ -94,6 +100,14 @@ def _vstore(builder, val, base, elem_index):
     p = builder.gep(base, [elem_index], inbounds=True)
     p = builder.bitcast(p, val.type.as_pointer())
     builder.store(val, p, align=4)
+
+
+def _prefetch(builder, ptr):
+    """llvm.prefetch(ptr, read, high locality, data)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(3), _I32(1)])
 
 
 def counted_loop(builder, n, inits: list, body, name: str) -> list:
@@ -129,10 +143,11 @@ def counted_loop(builder, n, inits: list, body, name: str) -> list:
 
 
 def widen_bf16_vec(builder, v16):
-    """<64 x i16> bf16 bit patterns -> <64 x float> (exact)."""
-    v = builder.zext(v16, _VI32)
-    v = builder.shl(v, _splat_i32(16))
-    return builder.bitcast(v, _VF)
+    """<n x i16> bf16 bit patterns -> <n x float> (exact)."""
+    n = v16.type.count
+    v = builder.zext(v16, ir.VectorType(_I32, n))
+    v = builder.shl(v, ir.Constant(ir.VectorType(_I32, n), [16] * n))
+    return builder.bitcast(v, ir.VectorType(_F32, n))
 
 
 def _row_ptr(context, builder, aryty, val, idx, off):
@@ -231,6 +246,196 @@ def make_vdot(nt, nr, streams, wkind):
     return intrinsic(typer)
 
 
+def kernel_isa() -> str:
+    """The instruction set the kernels are compiled for: "avx512" (AVX-512F/BW: 16-lane
+    tiles, 64-byte shuffles), "avx2" (AVX2 + FMA: 8-lane tiles, 32-byte shuffles) or
+    "generic" (4-lane tiles, plain vector arithmetic), from the CPU features numba
+    compiles for (NUMBA_CPU_FEATURES when set, else the host's). K3_KERNEL_ISA forces a
+    path those features allow (tests compare them; every path gives the same bits)."""
+    from llvmlite import binding
+
+    from .. import env
+    if numba.config.CPU_FEATURES:
+        feats = {f[1:]: f[0] == "+" for f in numba.config.CPU_FEATURES.split(",") if f[:1] in "+-" and f[1:]}
+    else:
+        feats = binding.get_host_cpu_features()
+    have = ["generic"] + (["avx2"] if feats.get("avx2") and feats.get("fma") else [])
+    have += ["avx512"] if len(have) == 2 and feats.get("avx512f") and feats.get("avx512bw") else []
+    want = env.kernel_isa()
+    if want is None:
+        return have[-1]
+    if want not in have:
+        raise ValueError(f"K3_KERNEL_ISA={want}: the CPU features numba compiles for offer {', '.join(have)}")
+    return want
+
+
+#: fp32 lanes of one register for each kernel_isa() path
+VECTOR_LANES = {"avx512": 16, "avx2": 8, "generic": 4}
+
+
+def pair_split(v: int) -> list[int]:
+    """The lane permutation of the even/odd BF16 tiles with ``v``-lane registers:
+    position ``2v*q + v*p + i`` holds canonical lane / element ``2v*q + 2i + p`` of each
+    64-element step (a 32-bit load of two bf16 gives the even element by a shift and the
+    odd one by a mask, so the tiles keep even and odd elements in separate registers).
+    Returned as the list perm with perm[position] = canonical lane."""
+    return [2 * v * q + 2 * i + p for q in range(LANES // (2 * v)) for p in range(2) for i in range(v)]
+
+
+def make_tile(max_nt, nr, streams, wkind, v, pf=0):
+    """A numba intrinsic doing step 1 of the canonical order for a register tile of
+    ``nt`` tokens (a run-time value, 1 .. max_nt) x ``nr`` weight rows::
+
+        tile(nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride)
+
+    for t < nt, r < nr, s < streams, j < nj, lane l < 64 (in that order for each lane):
+    ``acc[a0 + r*tb + t][l] = fma(x_s[xr + t, xoff + 64j + l], w_s[wr + r, woff + 64j + l], ...)``.
+    ``mode`` bit 0: the accumulators start at +0.0 (the first chunk: acc is not read);
+    bit 1: finish (the last chunk, no tail): steps 3 of the canonical order for every
+    (t, r), ``out[obase + t*ostride + r]`` = the halving tree of the 64 lanes (acc then
+    holds them in lane order).
+
+    The 64 lanes of the canonical order are 64 independent sums, so they are done in
+    groups of ``v`` lanes (one machine register: v = 16 with AVX-512, 8 with AVX2): each
+    group keeps its nt x nr accumulators in registers over all nj steps, the weight
+    vectors loaded once per step for every token, the activation vectors once for every
+    row. Every lane still sees its own fma sequence in the canonical order, so the bits
+    are those of a 64-lane loop. x_s / acc float32 C arrays [*, *].
+
+    ``wkind='f32'``: w_s float32. ``wkind='bf16eo'`` (one stream): w holds bf16 bits
+    (int16 / uint16) in the canonical element order, widened in registers two at a
+    time (shift / mask of a 32-bit load), and x and acc are in the ``pair_split(v)``
+    order (positions instead of lanes above; the caller permutes x once per call and
+    the accumulators back before the tail and the tree). No bounds checks: the callers
+    guarantee the extents."""
+    eo = wkind == "bf16eo"
+    assert not eo or streams == 1
+
+    def typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride):
+        def arr2(t, dts):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
+
+        wdts = (types.float32,) if wkind == "f32" else (types.int16, types.uint16)
+        if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
+                and arr2(w0, wdts) and w1 == w0):
+            return None
+        if not (isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32):
+            return None
+        if not all(isinstance(t, types.Integer) for t in (nt, a0, tb, xr, xoff, wr, woff, nj, mode, obase, ostride)):
+            return None
+        sig = types.void(nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride)
+
+        def codegen(context, builder, sig, args):
+            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+                  for a, t in zip(args, sig.args)]
+            nt_v, acc_v, a0, tb, x0_v, x1_v, xr, xoff, w0_v, w1_v, wr, woff, nj, mode, out_v, obase, ostride = iv
+            first = builder.icmp_unsigned("!=", builder.and_(mode, _I64(1)), _I64(0))
+            finish = builder.icmp_unsigned("!=", builder.and_(mode, _I64(2)), _I64(0))
+            outp = _data_ptr(context, builder, sig.args[14], out_v)
+            zv = ir.Constant(ir.VectorType(_F32, v), [0.0] * v)
+            at, xt, wt = sig.args[1], sig.args[4], sig.args[8]
+            xarr, warr = [x0_v, x1_v][:streams], [w0_v, w1_v][:streams]
+            # per register group: (w element offset, [(x / acc position, stream, half)])
+            if eo:
+                groups = [(2 * v * q, [(2 * v * q + v * p, 0, p) for p in range(2)]) for q in range(LANES // (2 * v))]
+            else:
+                groups = [(v * q, [(v * q, s, None) for s in range(streams)]) for q in range(LANES // v)]
+            vi32 = ir.VectorType(_I32, v)
+            done = builder.append_basic_block("tile.done")
+            sw = builder.switch(nt_v, done)
+            for n_t in range(1, max_nt + 1):
+                blk = builder.append_basic_block(f"tile.nt{n_t}")
+                sw.add_case(ir.Constant(nt_v.type, n_t), blk)
+                builder.position_at_end(blk)
+                for gi, (wo, parts) in enumerate(groups):
+                    npart = len(parts) if eo else 1          # accumulators per (t, r)
+                    apos = [parts[k][0] for k in range(npart)]
+                    accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, builder.add(
+                        builder.mul(_I64(r), tb), _I64(t))), _I64(apos[k]))
+                        for t in range(n_t) for r in range(nr) for k in range(npart)]
+                    xp = [[_row_ptr(context, builder, xt, xarr[s], builder.add(xr, _I64(t)), builder.add(xoff, _I64(pos)))
+                           for pos, s, _ in parts] for t in range(n_t)]
+                    wp = [[_row_ptr(context, builder, wt, wa, builder.add(wr, _I64(r)), builder.add(woff, _I64(wo)))
+                           for wa in warr] for r in range(nr)]
+                    init = [builder.select(first, zv, _vload(builder, p, _I64(0), _F32, v)) for p in accp]
+
+                    def body(j, acc, xp=xp, wp=wp, n_t=n_t, parts=parts, npart=npart, gi=gi):
+                        off = builder.mul(j, _I64(LANES))
+                        if eo:   # [r][half]: even elements by shift, odd by mask
+                            wv = []
+                            for row in wp:
+                                if pf and gi == 0:   # the weight's next chunk: its two lines of each step
+                                    for h in (0, LANES // 2):
+                                        _prefetch(builder, builder.gep(row[0], [builder.add(off, _I64(pf + h))]))
+                                p = builder.bitcast(builder.gep(row[0], [off], inbounds=True), vi32.as_pointer())
+                                u = builder.load(p, align=2, typ=vi32)
+                                wv.append([builder.bitcast(builder.shl(u, ir.Constant(vi32, [16] * v)), ir.VectorType(_F32, v)),
+                                           builder.bitcast(builder.and_(u, ir.Constant(vi32, [-65536] * v)),
+                                                           ir.VectorType(_F32, v))])
+                        else:    # [r][stream]
+                            wv = [[_vload(builder, p, off, _F32, v) for p in row] for row in wp]
+                        new = list(acc)
+                        for t in range(n_t):
+                            for k, (_, s, half) in enumerate(parts):
+                                xv = _vload(builder, xp[t][k], off, _F32, v)
+                                for r in range(nr):
+                                    i = (t * nr + r) * npart + (half if eo else 0)
+                                    new[i] = _vfma(builder, xv, wv[r][half if eo else s], new[i])
+                        return new
+
+                    fins = counted_loop(builder, nj, init, body, f"tile{n_t}g{gi}")
+                    for p, f in zip(accp, fins):
+                        _vstore(builder, f, p, _I64(0))
+                with builder.if_then(finish):     # the lanes are in L1: tree them into out now
+                    for t in range(n_t):
+                        for r in range(nr):
+                            p = _row_ptr(context, builder, at, acc_v, builder.add(a0, builder.add(
+                                builder.mul(_I64(r), tb), _I64(t))), _I64(0))
+                            lanes = _vload(builder, p, _I64(0), _F32, LANES)
+                            if eo:
+                                lanes = builder.shuffle_vector(lanes, lanes, ir.Constant(
+                                    ir.VectorType(_I32, LANES), _inverse(pair_split(v))))
+                            o = builder.add(obase, builder.add(builder.mul(_I64(t), ostride), _I64(r)))
+                            builder.store(tree_sum_ir(builder, lanes), builder.gep(outp, [o], inbounds=True))
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"tile{max_nt}x{nr}_s{streams}_{wkind}_v{v}"
+    return intrinsic(typer)
+
+
+def _inverse(perm):
+    """inv with inv[perm[i]] = i: as a shuffle mask, the lanes back in canonical order."""
+    inv = [0] * len(perm)
+    for pos, lane in enumerate(perm):
+        inv[lane] = pos
+    return inv
+
+
+def make_unpermute(perm):
+    """An intrinsic ``unperm(a)``: a[perm[i]] = a[i] for i < 64 (a float32 1-D array),
+    in registers: the accumulators of a permuted tile back in the canonical lane order."""
+    inv = _inverse(perm)
+
+    @intrinsic
+    def unperm(typingctx, a):
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = _data_ptr(context, builder, sig.args[0], args[0])
+            vec = _vload(builder, p, _I64(0), _F32, LANES)
+            _vstore(builder, builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), inv)), p, _I64(0))
+            return context.get_dummy_value()
+
+        return types.void(a), codegen
+
+    return unperm
+
+
 def tree_sum_ir(builder, v):
     """Step 3 of the canonical order on a <64 x float> held in registers: for h = 32 ..
     1, lanes i < h become lane i + lane i + h (the same additions as ``_tree_sum``).
@@ -245,9 +450,17 @@ def tree_sum_ir(builder, v):
     return builder.extract_element(v, _I32(0))
 
 
-_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 streaming
-_vdot_f32 = make_vdot(1, 1, 1, "f32")       # edge tiles
-_vdot_f32_2x2 = make_vdot(2, 2, 1, "f32")   # T > 1 register tile
+_vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 with a tail
+
+#: register tiles (tokens x rows) per path: nt * nr accumulators + nr weight vectors +
+#: one activation vector fit the register file (32 zmm with AVX-512, 16 ymm with AVX2)
+_ISA = kernel_isa()
+_NT, _NR = {"avx512": (4, 3), "avx2": (2, 2), "generic": (2, 1)}[_ISA]
+_V = VECTOR_LANES[_ISA]
+PAIR_SPLIT = pair_split(_V)
+_tile_eo = make_tile(_NT, _NR, 1, "bf16eo", _V, pf=_KC)
+_tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_KC)     # a block's last rows
+_unpermute = make_unpermute(PAIR_SPLIT)
 
 
 def make_dotn_bf16(nr: int):
@@ -296,28 +509,6 @@ _dot4_bf16 = make_dotn_bf16(4)
 
 
 @intrinsic
-def _widen_row(typingctx, dst, src, nj):
-    """dst[0:64*nj] = fp32(src[0:64*nj]) for bf16 bits src (vectorised, exact)."""
-    if not (isinstance(dst, types.Array) and dst.dtype == types.float32 and
-            isinstance(src, types.Array) and src.dtype in (types.int16, types.uint16) and
-            isinstance(nj, types.Integer)):
-        return None
-    sig = types.void(dst, src, nj)
-
-    def codegen(context, builder, sig, args):
-        dp = _data_ptr(context, builder, sig.args[0], args[0])
-        sp = _data_ptr(context, builder, sig.args[1], args[1])
-        n = context.cast(builder, args[2], sig.args[2], types.int64)
-        with cgutils.for_range(builder, n) as loop:
-            off = builder.mul(loop.index, _I64(LANES))
-            v = widen_bf16_vec(builder, _vload(builder, sp, off, _I16, LANES))
-            _vstore(builder, v, dp, off)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def _bf16_to_f32(typingctx, v):
     """16-bit pattern (int16/uint16) of a bf16 -> the float32 it denotes (exact)."""
     if not isinstance(v, types.Integer) or v.bitwidth != 16:
@@ -345,21 +536,30 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _zero(a):
-    for i in range(a.shape[0]):
-        a[i] = np.float32(0.0)
+@intrinsic
+def _zero(typingctx, a):
+    """a[0:64] = +0.0 (one vector store; ``a`` is a float32 1-D array of >= 64)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _vstore(builder, ir.Constant(_VF, [0.0] * LANES), _data_ptr(context, builder, sig.args[0], args[0]), _I64(0))
+        return context.get_dummy_value()
+
+    return types.void(a), codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _tree_sum(a):
-    """Step 3 of the canonical order over the first LANES entries (destroys ``a``)."""
-    h = LANES // 2
-    while h >= 1:
-        for i in range(h):
-            a[i] = a[i] + a[i + h]
-        h //= 2
-    return a[0]
+@intrinsic
+def _tree_sum(typingctx, a):
+    """Step 3 of the canonical order over a[0:64] (float32 1-D array), in registers."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return tree_sum_ir(builder, _vload(builder, _data_ptr(context, builder, sig.args[0], args[0]), _I64(0), _F32,
+                                           LANES))
+
+    return types.float32(a), codegen
 
 
 # =========================================================================== kernels
@@ -403,16 +603,18 @@ def job_blocks(jobs, rb1, rb):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
+def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
     """For every job g (``jobs``: the J_* columns): out[off + t * n + r] = x[x0 + t] . fp32(W_g[r])
     for t < x1 - x0, r < n, with W_g the bf16 bits [n, K] at address jobs[g, J_ADDR].
-    x float32 [M, K]; out float32 (flat). One prange over the row blocks of all jobs,
-    so every output element is computed by one thread, in the canonical order.
+    x float32 [M, K]; xs: x with each 64-element step in the ``pair_split`` order (only
+    read by jobs of more than one token); out float32 (flat). One prange over the row
+    blocks of all jobs, so every output element is computed by one thread, in the
+    canonical order.
 
     A job with one token streams each weight row once (memory bound). A job with more
-    widens a block of rows once per K-chunk into an fp32 scratch and reuses it for
-    every token, with 2-token x 2-row register tiles where possible, 1x1 at the edges;
-    the accumulator lanes persist across chunks, so the order is the same."""
+    sweeps K in chunks; per chunk, each tile of _NT tokens (whose activation chunk stays
+    in L1) runs over the block's rows _NR at a time, the bf16 weights widened in
+    registers; the accumulator lanes persist across chunks, so the order is the same."""
     K = x.shape[1]
     nj = K // LANES
     km = nj * LANES
@@ -420,8 +622,7 @@ def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
     # per-thread scratch, allocated once per call (nth = numba threads of the caller;
     # numba.get_num_threads() inside a cached function would defeat the cache)
     gv_all = np.empty((nth, 1, LANES), np.float32)
-    wf_all = np.empty((nth, rb, kc), np.float32)
-    acc_all = np.empty((nth, rb * tb, LANES), np.float32)
+    acc_all = np.empty((nth, rb * _NT, LANES), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         N = jobs[g, J_N]
@@ -457,39 +658,34 @@ def _bf16_grouped(x, jobs, out, rb1, rb, tb, kc, nth):
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(N, r0 + rb) - r0
-        wf = wf_all[tid]
-        acc = acc_all[tid]                                # row r, token t at r * tb + t
-        for t0 in range(0, T, tb):
-            ntb = min(T, t0 + tb) - t0
-            for r in range(nrb):
-                for t in range(ntb):
-                    _zero(acc[r * tb + t])
-            for c0 in range(0, km, kc):
-                c1 = min(km, c0 + kc)
-                njc = (c1 - c0) // LANES
-                for r in range(nrb):                      # widen the block's chunk once
-                    _widen_row(wf[r], w[r0 + r, c0:c1], njc)
-                npair = ntb // 2
-                xt = x0 + t0
-                r = 0
-                while r + 1 < nrb:                        # 2x2 tiles over all token pairs
-                    if npair > 0:
-                        _vdot_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
-                                      x, x, (xt, xt + 1), c0, wf, wf, (r, r + 1), 0, njc, npair, 2)
-                    if ntb % 2:                           # last token, 1x1 per row
-                        t = ntb - 1
-                        _vdot_f32(acc, (r * tb + t,), x, x, (xt + t,), c0, wf, wf, (r,), 0, njc, 1, 0)
-                        _vdot_f32(acc, ((r + 1) * tb + t,), x, x, (xt + t,), c0, wf, wf, (r + 1,), 0, njc, 1, 0)
-                    r += 2
-                if r < nrb:                               # odd last row: 1x1 over all tokens
-                    _vdot_f32(acc, (r * tb,), x, x, (xt,), c0, wf, wf, (r,), 0, njc, ntb, 1)
-            for t in range(ntb):
-                ta = x0 + t0 + t
+        acc = acc_all[tid]                                # token t, row r of a tile at r * _NT + t
+        for t0 in range(0, T, _NT):                       # one token tile over all of K: its
+            nt = min(_NT, T - t0)                         # accumulators stay in L1
+            xt = x0 + t0
+            ob = off + t0 * N + r0
+            if km == 0:
                 for r in range(nrb):
-                    a = acc[r * tb + t]
-                    for i in range(K - km):
-                        a[i] = _fma(x[ta, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
-                    out[off + (t0 + t) * N + r0 + r] = _tree_sum(a)
+                    for t in range(nt):
+                        _zero(acc[r * _NT + t])
+            for c0 in range(0, km, kc):
+                njc = (min(km, c0 + kc) - c0) // LANES
+                mode = (1 if c0 == 0 else 0) | (2 if c0 + kc >= km and km == K else 0)
+                r = 0
+                while r < nrb:
+                    if r + _NR <= nrb:
+                        _tile_eo(nt, acc, r * _NT, _NT, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
+                        r += _NR
+                    else:
+                        _tile1_eo(nt, acc, r * _NT, _NT, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
+                        r += 1
+            if km < K:                                    # the tail, then the tree
+                for t in range(nt):
+                    for r in range(nrb):
+                        a = acc[r * _NT + t]
+                        _unpermute(a)
+                        for i in range(K - km):
+                            a[i] = _fma(x[xt + t, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
+                        out[ob + t * N + r] = _tree_sum(a)
 
 
 # =========================================================================== wrappers
@@ -587,6 +783,51 @@ def job_table(M: int, K: int, ns, addrs, rows=None) -> tuple[np.ndarray, int, in
     return jobs, off, work, tmax
 
 
+@intrinsic
+def _pair_split_step(typingctx, src, dst, n):
+    """dst[64j : 64j+64] = src[64j : 64j+64] in the PAIR_SPLIT order, j < n (float32
+    1-D arrays): a register load, two lane shuffles (evens, odds) per 2 * _V elements."""
+    if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 for a in (src, dst))
+            and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sp = _data_ptr(context, builder, sig.args[0], args[0])
+        dp = _data_ptr(context, builder, sig.args[1], args[1])
+        cnt = context.cast(builder, args[2], sig.args[2], types.int64)
+        v = _V
+        ev = ir.Constant(ir.VectorType(_I32, v), list(range(0, 2 * v, 2)))
+        od = ir.Constant(ir.VectorType(_I32, v), list(range(1, 2 * v, 2)))
+        with cgutils.for_range(builder, cnt) as loop:
+            base = builder.mul(loop.index, _I64(LANES))
+            for g in range(0, LANES, 2 * v):
+                e = builder.add(base, _I64(g))
+                u = _vload(builder, sp, e, _F32, 2 * v)
+                _vstore(builder, builder.shuffle_vector(u, u, ev), dp, e)
+                _vstore(builder, builder.shuffle_vector(u, u, od), dp, builder.add(e, _I64(v)))
+        return context.get_dummy_value()
+
+    return types.void(src, dst, n), codegen
+
+
+@njit(cache=True, nogil=True)
+def _pair_split_rows(x, xs):
+    T, K = x.shape
+    nj = K // LANES
+    for t in range(T):
+        _pair_split_step(x[t], xs[t], nj)
+        for k in range(nj * LANES, K):
+            xs[t, k] = x[t, k]
+
+
+def pair_split_x(xn: np.ndarray) -> np.ndarray:
+    """A copy of activations [T, K] with each whole 64-element step in the PAIR_SPLIT
+    order (the tail, K % 64, as it is): the x the even/odd tiles read."""
+    xs = np.empty_like(xn)
+    _pair_split_rows(xn, xs)
+    return xs
+
+
 def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
     """Several BF16 linears in one kernel call. x float32 [M, K]; ws: bf16 matrices
     [N_g, K] (contiguous); ``rows``: per matrix the rows (x0, x1) of x it multiplies
@@ -608,8 +849,8 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
             out[:] = 0.0
         else:
             keep = jobs[:, J_X1] > jobs[:, J_X0]
-            _launch(_bf16_grouped, work, xn, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB,
-                    min(tmax, _TB), _KC)
+            _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, np.ascontiguousarray(jobs[keep]),
+                    out, _RB1, _RB, _KC)
     return torch.from_numpy(out)
 
 

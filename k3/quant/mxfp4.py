@@ -20,9 +20,11 @@ value as a small signed integer, by a byte-shuffle table lookup where the CPU ha
 (AVX2, AVX-512BW; ``kernel_isa``), else by vector arithmetic; widened to fp32 and
 multiplied by the exact factor 2^(s-128)) and consumed at once; the packed bytes are
 read exactly once, prefetched ``PREFETCH_BYTES`` ahead (one thread's sequential stream
-alone did not keep the memory busy). For T > 1 a
-block of ``_RB`` rows is decoded the same way once into a small per-thread fp32 scratch (exact values, a few KiB per row) and reused for every
-token with 2-token x 2-row register tiles. Both paths compute the same canonical order
+alone did not keep the memory busy). For T = 2 .. ``_NTF`` each decoded step is used
+for all the tokens before the next is decoded (``make_vdotn_mxfp4``). For more tokens
+a block of ``_RB`` rows is decoded the same way once into a per-thread fp32 scratch
+(exact values) and swept by the register tiles of ``k3.quant.bf16.make_tile`` (even and
+odd elements as two streams), one token tile at a time. All paths compute the same canonical order
 of one output y[t, r] (P = C/2 bytes per row, ``LANES`` = 64 fp32 accumulators
 starting at +0.0, Pm = P - P % 64):
 
@@ -50,9 +52,9 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _tree_sum,
+from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
                    _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   job_table, make_vdot)
+                   job_table, kernel_isa, make_tile, _ISA, _V, _row_ptr)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -61,8 +63,7 @@ GROUP = 32  # elements per scale byte
 
 _RB1 = 16    # rows per prange iteration (decode, and T = 1)
 _RB = 8      # rows decoded together and reused across tokens when T > 1
-_TB = 64     # tokens per block (bounds the accumulator scratch)
-_JC = 8      # 64-byte steps per chunk (a chunk of the rb decoded rows stays in L1)
+_JC = 16     # 64-byte steps per chunk of the T > 1 paths (the chunk of x for a token tile stays in L1)
 
 
 # --------------------------------------------------------------------------- intrinsics
@@ -134,32 +135,13 @@ def _half_scale_bits_ir(builder, s, vt):
 _DEC2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
-def kernel_isa() -> str:
-    """The instruction set the MXFP4 nibble decode is compiled for: "avx512" (AVX-512BW
-    byte shuffles, 64 bytes a step), "avx2" (two 32-byte shuffles), or "generic" (plain
-    vector arithmetic, any CPU), from this machine's features; K3_KERNEL_ISA forces a
-    lower one (tests compare the paths; every path gives the same bits)."""
-    from llvmlite import binding
-
-    from .. import env
-    feats = binding.get_host_cpu_features()
-    have = ["generic"] + (["avx2"] if feats.get("avx2") else []) + \
-        (["avx512"] if feats.get("avx2") and feats.get("avx512bw") else [])
-    want = env.kernel_isa()
-    if want is None:
-        return have[-1]
-    if want not in have:
-        raise ValueError(f"K3_KERNEL_ISA={want}: this CPU offers {', '.join(have)}")
-    return want
-
-
 def _dec2_nibble_ir(builder, n, vt):
     """E2M1 nibbles n (<L x i8>, 0..15) -> 2 x their value as signed i8 (_DEC2). With
     AVX2 / AVX-512BW a byte shuffle looks the 16-entry table up (pshufb: one instruction
     per 32 / 64 bytes); otherwise magnitude m = n & 7 -> 0 1 2 3 4 6 8 12
     (= m + max(m - 4, 0) + 2 [m == 7]), negated when bit 3 is set. The same bytes
     either way."""
-    isa = kernel_isa()
+    isa = _ISA
     width = 64 if isa == "avx512" else 32 if isa == "avx2" else 0
     if width and vt.count % width == 0:
         bt = ir.VectorType(ir.IntType(8), width)
@@ -230,15 +212,6 @@ def _f32_array(t):
 PREFETCH_BYTES = 4096
 
 
-def _prefetch(builder, ptr):
-    """llvm.prefetch(ptr, read, high locality, data)."""
-    I32 = ir.IntType(32)
-    i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), I32(0), I32(3), I32(1)])
-
-
 def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name):
     """Step 1 of the canonical order in registers: for j < n, decode bytes [64j, 64j+64)
     and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise, from the <64 x float> a0."""
@@ -294,6 +267,81 @@ def _dot_mxfp4(typingctx, xe, xo, pk, sc, nj):
     return sig, codegen
 
 
+def make_vdotn_mxfp4(max_nt):
+    """An intrinsic for a few tokens sharing each decoded step of one row::
+
+        vdotn(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
+
+    for j in j0 .. j0+n-1: decode bytes [64j, 64j+64) of row r of pk / sc (2-D) in
+    registers once, then for every token t < nt (a run-time value, 1 .. max_nt):
+    acc[a0 + t] = fma(xo[xr + t], wo, fma(xe[xr + t], we, acc[a0 + t])) lane-wise (the
+    canonical order). ``mode`` bit 0: the lanes start at +0.0; bit 1: finish,
+    out[obase + t * ostride] = the halving tree of acc[a0 + t]. For T = 2 .. max_nt the
+    decode (more work per byte than the multiply-adds of two tokens) is paid once per
+    call instead of once per token, and no decoded copy goes through memory."""
+    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
+        def arr2(t, dt):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
+
+        if not (arr2(acc, types.float32) and arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8)
+                and sc == pk and _f32_array(out)):
+            return None
+        if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, r, j0, n, mode, obase, ostride)):
+            return None
+        sig = types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
+
+        def codegen(context, builder, sig, args):
+            I64 = ir.IntType(64)
+            F32 = ir.FloatType()
+            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+                  for a, t in zip(args, sig.args)]
+            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, j0, n, mode, out_v, obase, ostride = iv
+            at, xt, pt = sig.args[1], sig.args[3], sig.args[6]
+            first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
+            finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
+            outp = _data_ptr(context, builder, sig.args[12], out_v)
+            pp = _row_ptr(context, builder, pt, pk_v, r, builder.mul(j0, I64(LANES)))
+            sp = _row_ptr(context, builder, pt, sc_v, r, builder.mul(j0, I64(_GPJ)))
+            z = ir.Constant(ir.VectorType(F32, LANES), [0.0] * LANES)
+            done = builder.append_basic_block("vdotn.done")
+            sw = builder.switch(nt_v, done)
+            for n_t in range(1, max_nt + 1):
+                blk = builder.append_basic_block(f"vdotn.nt{n_t}")
+                sw.add_case(ir.Constant(I64, n_t), blk)
+                builder.position_at_end(blk)
+                e0 = builder.mul(j0, I64(LANES))
+                accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
+                xep = [_row_ptr(context, builder, xt, xe_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+                xop = [_row_ptr(context, builder, xt, xo_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+                init = [builder.select(first, z, _vload(builder, p, I64(0), F32, LANES)) for p in accp]
+
+                def body(j, acc, xep=xep, xop=xop):
+                    off = builder.mul(j, I64(LANES))
+                    _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
+                    we, wo = _decode_step_ir(builder, pp, sp, j)
+                    return [_vfma(builder, _vload(builder, xo_p, off, F32, LANES), wo,
+                                  _vfma(builder, _vload(builder, xe_p, off, F32, LANES), we, a))
+                            for a, xe_p, xo_p in zip(acc, xep, xop)]
+
+                fins = counted_loop(builder, n, init, body, f"vdotn{n_t}")
+                with builder.if_else(finish) as (then, other):
+                    with then:
+                        for t, f in enumerate(fins):
+                            o = builder.add(obase, builder.mul(I64(t), ostride))
+                            builder.store(tree_sum_ir(builder, f), builder.gep(outp, [o], inbounds=True))
+                    with other:
+                        for p, f in zip(accp, fins):
+                            _vstore(builder, f, p, I64(0))
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"vdotn{max_nt}_mxfp4"
+    return intrinsic(typer)
+
+
 @intrinsic
 def _vdecode_split(typingctx, we, wo, pk, sc, nj):
     """we/wo[0:64*nj] = scaled even/odd elements of bytes [0, 64*nj) of a row."""
@@ -316,9 +364,15 @@ def _vdecode_split(typingctx, we, wo, pk, sc, nj):
     return sig, codegen
 
 
-_vdot2_f32 = make_vdot(1, 1, 2, "f32")
 _u8_ptr = address_intrinsic(types.uint8)
-_vdot2_f32_2x2 = make_vdot(2, 2, 2, "f32")
+#: register tiles (tokens x rows) of the T > 1 path per kernel_isa(): nt * nr
+#: accumulators + 2 nr weight vectors (even, odd) + one activation vector
+_NT2, _NR2 = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
+_tile2 = make_tile(_NT2, _NR2, 2, "f32", _V)
+_tile2_1 = make_tile(_NT2, 1, 2, "f32", _V)       # a block's last rows
+#: jobs of up to this many tokens decode each step in registers once for all of them
+_NTF = 4
+_vdotn = make_vdotn_mxfp4(_NTF)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -354,17 +408,18 @@ def _decode_kernel(packed, scale, out, rb, nth):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, tb, jc, nth):
+def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, jc, nth):
     """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
     jobs[g, J_ADDR], scale bytes [n, P/16] at jobs[g, J_ADDR + 1]):
     out[off + t * n + r] = x[x0 + t] . W_g[r] for t < x1 - x0, r < n. xe/xo float32
     [M, P] (the even / odd elements of x). One prange over the row blocks of all jobs.
 
     A job with one token decodes each row in registers and consumes it at once (the
-    packed bytes are read exactly once). A job with more decodes a block of rb rows once
-    into an exact fp32 scratch, then sweeps it in chunks of jc 64-byte steps with 2x2
-    (token, row) register tiles; accumulator lanes persist across chunks. Both have the
-    canonical order of the module docstring."""
+    packed bytes are read exactly once); one of up to _NTF tokens does the same for all
+    its tokens, in chunks of jc 64-byte steps. A job with more decodes a block of rb rows
+    once into an exact fp32 scratch, then each tile of _NT2 tokens sweeps it in chunks
+    of jc steps, _NR2 rows at a time; accumulator lanes persist across chunks. All have
+    the canonical order of the module docstring."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
@@ -372,7 +427,7 @@ def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, tb, jc, nth):
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
-    acc_all = np.empty((nth, rb * tb, LANES), np.float32)
+    acc_all = np.empty((nth, rb * max(_NT2, _NTF), LANES), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         R = jobs[g, J_N]
@@ -407,42 +462,62 @@ def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, tb, jc, nth):
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(R, r0 + rb) - r0
+        acc = acc_all[tid]
+        if T <= _NTF:                                     # a few tokens: decode in registers
+            for c0 in range(0, nj, jc):
+                n = min(nj, c0 + jc) - c0
+                mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
+                for r in range(nrb):
+                    _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
+            if pm < P or nj == 0:
+                sc3 = gv_all[tid]
+                te = sc3[1]
+                to = sc3[2]
+                for r in range(nrb):
+                    if pm < P:
+                        _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
+                    for t in range(T):
+                        a = acc[r * _NTF + t]
+                        if nj == 0:
+                            _zero(a)
+                        for i in range(P - pm):
+                            a[i] = _fma(xo[x0 + t, pm + i], to[i], _fma(xe[x0 + t, pm + i], te[i], a[i]))
+                        out[off + t * R + r0 + r] = _tree_sum(a)
+            continue
         we = we_all[tid]
         wo = wo_all[tid]
-        acc = acc_all[tid]                                # row r, token t at r * tb + t
         for r in range(nrb):
             _vdecode_split(we[r], wo[r], packed[r0 + r], scale[r0 + r], nj)
             if pm < P:
                 _decode_tail(packed[r0 + r], scale[r0 + r], we[r, pm:], wo[r, pm:], pm, P)
-        for t0 in range(0, T, tb):
-            ntb = min(T, t0 + tb) - t0
+        for t0 in range(0, T, _NT2):                      # one token tile over all of the row
+            nt = min(_NT2, T - t0)
             xt = x0 + t0
-            for r in range(nrb):
-                for t in range(ntb):
-                    _zero(acc[r * tb + t])
+            ob = off + t0 * R + r0
+            if nj == 0:
+                for r in range(nrb):
+                    for t in range(nt):
+                        _zero(acc[r * _NT2 + t])
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 e0 = c0 * LANES
-                npair = ntb // 2
+                mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
                 r = 0
-                while r + 1 < nrb:                        # 2x2 tiles over all token pairs
-                    if npair > 0:
-                        _vdot2_f32_2x2(acc, (r * tb, (r + 1) * tb, r * tb + 1, (r + 1) * tb + 1),
-                                       xe, xo, (xt, xt + 1), e0, we, wo, (r, r + 1), e0, n, npair, 2)
-                    if ntb % 2:                           # last token, 1x1 per row
-                        t = ntb - 1
-                        _vdot2_f32(acc, (r * tb + t,), xe, xo, (xt + t,), e0, we, wo, (r,), e0, n, 1, 0)
-                        _vdot2_f32(acc, ((r + 1) * tb + t,), xe, xo, (xt + t,), e0, we, wo, (r + 1,), e0, n, 1, 0)
-                    r += 2
-                if r < nrb:                               # odd last row: 1x1 over all tokens
-                    _vdot2_f32(acc, (r * tb,), xe, xo, (xt,), e0, we, wo, (r,), e0, n, ntb, 1)
-            for t in range(ntb):
-                ta = xt + t
-                for r in range(nrb):
-                    a = acc[r * tb + t]
-                    for i in range(P - pm):
-                        a[i] = _fma(xo[ta, pm + i], wo[r, pm + i], _fma(xe[ta, pm + i], we[r, pm + i], a[i]))
-                    out[off + (t0 + t) * R + r0 + r] = _tree_sum(a)
+                while r < nrb:
+                    if r + _NR2 <= nrb:
+                        _tile2(nt, acc, r * _NT2, _NT2, xe, xo, xt, e0, we, wo, r, e0, n, mode, out, ob + r, R)
+                        r += _NR2
+                    else:
+                        _tile2_1(nt, acc, r * _NT2, _NT2, xe, xo, xt, e0, we, wo, r, e0, n, mode, out, ob + r, R)
+                        r += 1
+            if pm < P:                                    # the tail bytes, then the tree
+                for t in range(nt):
+                    ta = xt + t
+                    for r in range(nrb):
+                        a = acc[r * _NT2 + t]
+                        for i in range(P - pm):
+                            a[i] = _fma(xo[ta, pm + i], wo[r, pm + i], _fma(xe[ta, pm + i], we[r, pm + i], a[i]))
+                        out[ob + t * R + r] = _tree_sum(a)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -534,8 +609,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
             keep = jobs[:, J_X1] > jobs[:, J_X0]
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
-            _launch(_mxfp4_grouped, work, xe, xo, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB,
-                    min(tmax, _TB), _JC)
+            _launch(_mxfp4_grouped, work, xe, xo, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB, _JC)
     return torch.from_numpy(out)
 
 
