@@ -325,3 +325,47 @@ def test_fused_kda_recurrent(T, threads):
         ro, rS = ref_kda_recurrent(q, k, v, gl, beta, st)
         assert same(o, ro) and same(S, rS)
     assert same(S0, keep)  # the carried state is never written (snapshots hold references to it)
+
+
+def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threads):
+    """Attention's matmuls (k3.model.fused.dots / prods): close to a float64 einsum, and
+    each element's bits the same whether it is computed alone, in a block of rows, or
+    with masked (zero-weight) keys after it - which BLAS does not promise (MKL on AVX2
+    AMD rounds a 256-key sum differently once 344 zeros follow it)."""
+    g = torch.Generator().manual_seed(3)
+    H, T, S, d, dv = 3, 40, 70, 80, 48             # d: one 64-lane step and a tail
+    q = torch.randn(T, H, d, generator=g)
+    k = torch.randn(S, H, d, generator=g)
+    v = torch.randn(S, H, dv, generator=g)
+    q2, k2, v2 = q.view(T, -1), k.view(S, -1), v.view(S, -1)
+
+    def scores(t0, t1, s1, causal=None):
+        return fused.dots(q2, k2, H, t1 - t0, s1, d, x_at=(t0, 0, 0, d), w_at=(0, 0, 0, d),
+                          causal=causal).view(H, t1 - t0, s1)
+
+    sc = scores(0, T, S)
+    torch.testing.assert_close(sc.double(), torch.einsum("thd,shd->hts", q.double(), k.double()), rtol=1e-5, atol=1e-5)
+    for t0, t1, s1 in ((7, 8, 33), (0, 40, 5), (5, 17, 70), (39, 40, 70)):
+        assert same(scores(t0, t1, s1), sc[:, t0:t1, :s1])
+    c = scores(3, 20, S, causal=3 + 30)            # query i needs keys j <= 33 + i only
+    for i in range(17):
+        assert same(c[:, i, :34 + i], sc[:, 3 + i, :34 + i])
+
+    p = torch.rand(H, T, S, generator=g).tril(30)  # causal: zeros after each query's keys
+
+    def values(t0, t1, s1, causal=None):
+        pp = p[:, t0:t1, :s1].contiguous()
+        return fused.prods(pp.view(-1, s1), v2, H, t1 - t0, dv, s1, x_at=(0, t1 - t0, 0, 0),
+                           w_at=(0, 0, 0, dv), causal=causal).view(H, t1 - t0, dv)
+
+    pv = values(0, T, S)
+    torch.testing.assert_close(pv.double(), torch.einsum("hts,shd->htd", p.double(), v.double()), rtol=1e-5, atol=1e-5)
+    for t0, t1 in ((0, 1), (0, 16), (16, 40), (39, 40), (5, 9)):   # a query block sees only its keys
+        s1 = min(S, t1 + 30)
+        assert same(values(t0, t1, s1), pv[:, t0:t1])
+        assert same(values(t0, t1, s1, causal=30 + t0), pv[:, t0:t1])
+    # a shared right side (MLA's latents, the same for every head) and a caller's layout
+    lat = torch.randn(S, 64, generator=g)
+    shared = fused.prods(p.reshape(-1, S), lat, H, T, 64, S, x_at=(0, T, 0, 0), out_at=(64, H * 64)).view(T, H, 64)
+    for h in range(H):
+        assert same(shared[:, h], fused.prods(p[h], lat, 1, T, 64, S).view(T, 64))

@@ -16,6 +16,14 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from llvmlite import ir
+from numba import get_thread_id, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..quant.bf16 import (LANES, _F32, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
+                          counted_loop, make_tile)
+
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
 _SERIAL = 1 << 16
 
@@ -149,3 +157,207 @@ def kda_delta_update(S: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: to
     the step's own decayed copy): the delta rule's rank-1 update. S [H, dk, dv], k [H, dk],
     beta [H], v and u [H, dv]."""
     _run(_delta, S.numel(), S.numpy(), k.numpy(), beta.numpy(), v.numpy(), u.numpy())
+
+
+# ------------------------------------------------------------------ fixed-order matmuls
+# Attention's small matmuls (scores, weighted values, MLA's absorbed projections) in one
+# fixed order per output element, whatever the shapes around it. BLAS (MKL) picks its
+# blocking from the shapes: on some CPUs (AMD, AVX2) a sum over 256 keys and the same
+# sum with 344 masked zeros after it round differently, and a one-query product
+# differs from the same row of a 600-query one. Then a prompt read in pieces, or a
+# decode step, would not give the bits of one pass. Here each element is computed by
+# one thread in an order that depends only on its own operands.
+
+#: register tiles (queries x keys / rows) of the dot form, as the MXFP4 kernel's fp32 tiles
+_NTA, _NRA = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
+_tile_a = make_tile(_NTA, _NRA, 1, "f32", _V)
+_tile_a1 = make_tile(_NTA, 1, 1, "f32", _V)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_mode, out, og, ostride, nth):
+    # out[g*og + i*ostride + j] = dot(x[xr0 + g*xrg + i, xo0 + g*xog + k], w[wr0 + g*wrg + j, wo0 + g*wog + k])
+    # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order);
+    # lim_mode 1: causal, row i only needs j <= lim + i (later j are left as they are)
+    nj = K // LANES
+    km = nj * LANES
+    nti = (M + _NTA - 1) // _NTA
+    acc_all = np.empty((nth, _NTA * _NRA, LANES), np.float32)
+    for b in prange(G * nti):
+        g = b // nti
+        i0 = (b - g * nti) * _NTA
+        nt = min(_NTA, M - i0)
+        acc = acc_all[get_thread_id()]
+        xr = xr0 + g * xrg + i0
+        xo = xo0 + g * xog
+        wr = wr0 + g * wrg
+        wo = wo0 + g * wog
+        ob = g * og + i0 * ostride
+        n_hi = N
+        njt = nj
+        if lim_mode:
+            last = lim + i0 + nt - 1
+            if lim_mode == 2:
+                njt = max(0, min(nj, (last + LANES) // LANES))
+            else:
+                n_hi = max(0, min(N, last + 1))
+        j = 0
+        while j < n_hi:
+            if j + _NRA <= n_hi:
+                _tile_a(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, njt, 3, out, ob + j, ostride)
+                j += _NRA
+            else:
+                _tile_a1(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, njt, 3, out, ob + j, ostride)
+                j += 1
+        if km < K:
+            for t in range(nt):
+                for jj in range(n_hi):
+                    s = out[ob + t * ostride + jj]
+                    for k in range(km, K):
+                        s = _fma(x[xr + t, xo + k], w[wr + jj, wo + k], s)
+                    out[ob + t * ostride + jj] = s
+
+
+def make_tile_nn(max_nt, nv, v):
+    """A numba intrinsic for the product form ``p @ v`` on a register tile of nt rows
+    (run-time, 1 .. max_nt) x nv * v columns::
+
+        tile(nt, x, xr, xo, w, wr, wo, K, out, obase, ostride)
+
+    out[obase + t*ostride + c] = the fma chain over k = 0 .. K-1 (from +0) of
+    x[xr + t, xo + k] * w[wr + k, wo + c], for t < nt, c < nv * v: x broadcast, w a
+    vector load, nt x nv accumulators in registers. x, w float32 C 2-D, out float32 1-D."""
+    def typer(typingctx, nt, x, xr, xo, w, wr, wo, K, out, obase, ostride):
+        def arr2(t):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
+        if not (arr2(x) and arr2(w) and isinstance(out, types.Array) and out.ndim == 1
+                and out.dtype == types.float32):
+            return None
+        if not all(isinstance(t, types.Integer) for t in (nt, xr, xo, wr, wo, K, obase, ostride)):
+            return None
+        sig = types.void(nt, x, xr, xo, w, wr, wo, K, out, obase, ostride)
+
+        def codegen(context, builder, sig, args):
+            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+                  for a, t in zip(args, sig.args)]
+            nt_v, x_v, xr, xo, w_v, wr, wo, K, out_v, obase, ostride = iv
+            vt = ir.VectorType(_F32, v)
+            zv = ir.Constant(vt, [0.0] * v)
+            outp = _data_ptr(context, builder, sig.args[8], out_v)
+            wary = context.make_array(sig.args[4])(context, builder, w_v)
+            wcols = cgutils.unpack_tuple(builder, wary.shape, 2)[1]
+            w0 = _row_ptr(context, builder, sig.args[4], w_v, wr, wo)
+            done = builder.append_basic_block("nn.done")
+            sw = builder.switch(nt_v, done)
+            for n_t in range(1, max_nt + 1):
+                blk = builder.append_basic_block(f"nn.nt{n_t}")
+                sw.add_case(ir.Constant(nt_v.type, n_t), blk)
+                builder.position_at_end(blk)
+                xp = [_row_ptr(context, builder, sig.args[1], x_v, builder.add(xr, _I64(t)), xo) for t in range(n_t)]
+
+                def body(k, acc, xp=xp, n_t=n_t):
+                    row = builder.gep(w0, [builder.mul(k, wcols)], inbounds=True)
+                    wv = [_vload(builder, row, _I64(q * v), _F32, v) for q in range(nv)]
+                    new = list(acc)
+                    for t in range(n_t):
+                        xs = builder.load(builder.gep(xp[t], [k], inbounds=True))
+                        xb = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), xs, _I32(0)),
+                                                    ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, v), [0] * v))
+                        for q in range(nv):
+                            new[t * nv + q] = _vfma(builder, xb, wv[q], new[t * nv + q])
+                    return new
+
+                fins = counted_loop(builder, K, [zv] * (n_t * nv), body, f"nn{n_t}")
+                for t in range(n_t):
+                    for q in range(nv):
+                        o = builder.add(obase, builder.add(builder.mul(_I64(t), ostride), _I64(q * v)))
+                        _vstore(builder, fins[t * nv + q], outp, o)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"tile_nn{max_nt}x{nv}_v{_V}"
+    return intrinsic(typer)
+
+
+_NTN, _NVN = {"avx512": (4, 4), "avx2": (4, 2), "generic": (4, 2)}[_ISA]
+_CWN = _NVN * _V               # columns per product tile
+_tile_nn = make_tile_nn(_NTN, _NVN, _V)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _prods(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on, out, og, ostride):
+    # out[g*og + i*ostride + n] = fma chain over k < K (ascending, from +0) of
+    # x[xr0 + g*xrg + i, xo0 + g*xog + k] * w[wr0 + g*wrg + k, wo0 + g*wog + n];
+    # lim_on: row i only sums k <= lim + i, x being zero beyond (+0 lanes stay as they are)
+    nti = (M + _NTN - 1) // _NTN
+    for b in prange(G * nti):
+        g = b // nti
+        i0 = (b - g * nti) * _NTN
+        nt = min(_NTN, M - i0)
+        kk = K
+        if lim_on:
+            kk = max(0, min(K, lim + i0 + nt))
+        xr = xr0 + g * xrg + i0
+        xo = xo0 + g * xog
+        wr = wr0 + g * wrg
+        wo = wo0 + g * wog
+        ob = g * og + i0 * ostride
+        n = 0
+        while n + _CWN <= N:
+            _tile_nn(nt, x, xr, xo, w, wr, wo + n, kk, out, ob + n, ostride)
+            n += _CWN
+        for t in range(nt):
+            for c in range(n, N):
+                s = np.float32(0.0)
+                for k in range(kk):
+                    s = _fma(x[xr + t, xo + k], w[wr + k, wo + c], s)
+                out[ob + t * ostride + c] = s
+
+
+def _rows2(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous 2-D float32 numpy view of t (refused otherwise: the callers own these)."""
+    if t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous():
+        raise ValueError("the dot form takes C-contiguous 2-D float32 operands")
+    return t.numpy()
+
+
+def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_at=(0, 0, 0, 0),
+         w_at=(0, 0, 0, 0), out_at=None, causal: int | None = None) -> torch.Tensor:
+    """Batched dot products in the canonical order of the BF16/MXFP4 kernels, on
+    register tiles. x, w: C-contiguous 2-D float32; for g < G, i < M, j < N:
+
+        out[g, i, j] = sum over k < K of x[r0 + g*rg + i, o0 + g*og + k] * w[...same for j...]
+
+    with x_at = (r0, rg, o0, og) and w_at likewise. Returns out flat: [G, M, N] row-major,
+    or laid out as out[g*a + i*b + j] with out_at = (a, b) (the caller's shape). causal
+    (int): only j <= causal + i is computed (the others are left zero)."""
+    a, b = out_at if out_at is not None else (M * N, N)
+    out = np.zeros(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
+    if G and M and N:
+        import numba
+        xn, wn = _rows2(x), _rows2(w)
+        _run(_dots, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
+             0 if causal is None else causal, 0 if causal is None else 1, out, a, b, numba.get_num_threads())
+    return torch.from_numpy(out)
+
+
+def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_at=(0, 0, 0, 0),
+          w_at=(0, 0, 0, 0), out_at=None, causal: int | None = None) -> torch.Tensor:
+    """Batched products ``x @ w`` with one order per element: an fma chain over k in
+    ascending order, from +0. x, w: C-contiguous 2-D float32; for g < G, i < M, n < N:
+
+        out[g, i, n] = sum over k < K of x[r0 + g*rg + i, o0 + g*og + k] * w[r0' + g*rg' + k, o0' + g*og' + n]
+
+    with x_at = (r0, rg, o0, og), w_at = (r0', rg', o0', og'). Returns out flat, [G, M, N]
+    row-major or out[g*a + i*b + n] with out_at = (a, b). causal (int): row i sums only
+    k <= causal + i, x being zero beyond (adding a zero product never changes a sum
+    that starts at +0), so a row gives the same bits whatever follows its keys."""
+    a, b = out_at if out_at is not None else (M * N, N)
+    out = np.empty(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
+    if G and M and N:
+        _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w), *w_at, G, M, N, K,
+             -1 if causal is None else causal, causal is not None, out, a, b)
+    return torch.from_numpy(out)

@@ -23,6 +23,7 @@ import threading
 import torch
 
 from ..config import MLA_NORM_EPS
+from .fused import dots, prods
 from .ops import linear, linears, rms_norm, sigmoid
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -35,8 +36,9 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
     """Causal softmax attention for queries at absolute positions past..past+T-1 over keys
     0..past+T-1, tiled over queries and keys with a running (online) softmax, so the
     working set is a few [H, q_tile, K_TILE] tiles whatever the length. ``scores(t0, t1,
-    s0, s1)`` gives the scaled scores [H, t1-t0, s1-s0]; ``values(p, s0, s1)`` the
-    weighted values [H, t1-t0, dv] of probabilities p. Key tiles start at fixed
+    s0, s1)`` gives the scaled scores [H, t1-t0, s1-s0]; ``values(p, t0, t1, s0, s1)``
+    the weighted values [H, t1-t0, dv] of probabilities p (zero past each query's own
+    position). Key tiles start at fixed
     positions. Returns [T, H, dv]."""
     out = like.new_empty(T, H, dv)
     q_tile = max(1, SCORE_TILE_BYTES // (H * K_TILE * 4))
@@ -54,7 +56,7 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
             p = torch.exp(sc - m_new)
             corr = torch.exp(m - m_new)
             den = den * corr + p.sum(-1, keepdim=True)
-            acc = acc * corr + values(p, s0, s1)
+            acc = acc * corr + values(p, t0, t1, s0, s1)
             m = m_new
         out[t0:t1] = (acc / den).transpose(0, 1)
     return out
@@ -63,21 +65,35 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
 def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
     """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
     k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv]."""
+    T, H, dk = q.shape
+    S, dv = k.shape[0], v.shape[-1]
+    q2, k2, v2 = (a.contiguous().view(a.shape[0], -1) for a in (q, k, v))
     return _online_softmax(
-        q.shape[0], q.shape[1], past,
-        lambda t0, t1, s0, s1: torch.einsum("thd,shd->hts", q[t0:t1], k[s0:s1]) * scale,
-        lambda p, s0, s1: torch.einsum("hts,shd->htd", p, v[s0:s1]), v.shape[-1], q)
+        T, H, past,
+        lambda t0, t1, s0, s1: dots(q2, k2, H, t1 - t0, s1 - s0, dk, x_at=(t0, 0, 0, dk), w_at=(s0, 0, 0, dk),
+                                    causal=past + t0 - s0).view(H, t1 - t0, s1 - s0) * scale,
+        lambda p, t0, t1, s0, s1: prods(p.view(-1, s1 - s0), v2, H, t1 - t0, dv, s1 - s0, x_at=(0, t1 - t0, 0, 0),
+                                        w_at=(s0, 0, 0, dv), causal=past + t0 - s0).view(H, t1 - t0, dv), dv, q)
 
 
 def attend_latent(q_lat, q_pe, c, kpe, past: int, scale: float) -> torch.Tensor:
     """Attention with the keys and values in latent form: q_lat [T, H, L] (the absorbed
     queries), q_pe [T, H, R]; c [S, L], kpe [S, R] shared by all heads. Returns the
     weighted latents [T, H, L] (kv_b_proj's value half is applied by the caller)."""
+    T, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    ql2, qp2 = (a.contiguous().view(T, -1) for a in (q_lat, q_pe))
+    c, kpe = c.contiguous(), kpe.contiguous()
+
+    def scores(t0, t1, s0, s1):
+        m, n, lim = t1 - t0, s1 - s0, past + t0 - s0
+        return (dots(ql2, c, H, m, n, L, x_at=(t0, 0, 0, L), w_at=(s0, 0, 0, 0), causal=lim)
+                + dots(qp2, kpe, H, m, n, R, x_at=(t0, 0, 0, R), w_at=(s0, 0, 0, 0), causal=lim)).view(H, m, n) * scale
+
     return _online_softmax(
-        q_lat.shape[0], q_lat.shape[1], past,
-        lambda t0, t1, s0, s1: (torch.einsum("thl,sl->hts", q_lat[t0:t1], c[s0:s1])
-                                + torch.einsum("thr,sr->hts", q_pe[t0:t1], kpe[s0:s1])) * scale,
-        lambda p, s0, s1: torch.einsum("hts,sl->htl", p, c[s0:s1]), c.shape[-1], q_lat)
+        T, H, past, scores,
+        lambda p, t0, t1, s0, s1: prods(p.view(-1, s1 - s0), c, H, t1 - t0, L, s1 - s0, x_at=(0, t1 - t0, 0, 0),
+                                        w_at=(s0, 0, 0, 0), causal=past + t0 - s0).view(H, t1 - t0, L), L, q_lat)
 
 
 class MLAState:
@@ -138,11 +154,17 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     st = st if st is not None else MLAState()
     past = st.length
     if st.latent:
-        wkv = _widened(w["self_attn.kv_b_proj.weight"]).reshape(H, nope + vd, cfg.kv_lora_rank)
+        L = cfg.kv_lora_rank
+        wkv = _widened(w["self_attn.kv_b_proj.weight"])  # [H * (nope + vd), L]
         st.append(c, k_pe)
-        q_lat = torch.einsum("thj,hjl->thl", q[..., :nope], wkv[:, :nope])  # W_k^T q_nope, per head
+        q2 = q.reshape(T, -1)
+        # W_k^T q_nope per head: q_lat[t, h] = sum_j q[t, h, j] * wkv[h, j]
+        q_lat = prods(q2, wkv, H, T, L, nope, x_at=(0, 0, 0, nope + rope), w_at=(0, nope + vd, 0, 0),
+                      out_at=(L, H * L)).view(T, H, L)
         o_lat = attend_latent(q_lat, q[..., nope:], st.k, st.v, past, scale)
-        o = torch.einsum("thl,hvl->thv", o_lat, wkv[:, nope:]).reshape(T, H * vd)
+        # W_v o_lat per head: o[t, h, i] = o_lat[t, h] . wkv[h, nope + i]
+        o = dots(o_lat.view(T, -1), wkv, H, T, vd, L, x_at=(0, 0, 0, L), w_at=(nope, nope + vd, 0, 0),
+                 out_at=(vd, H * vd)).view(T, H * vd)
     else:
         kv = linear(c, w["self_attn.kv_b_proj.weight"]).reshape(T, H, nope + vd)
         st.append(torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, H, rope)], -1), kv[..., nope:])
