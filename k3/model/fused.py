@@ -17,7 +17,7 @@ import torch
 from numba import njit, prange
 
 from llvmlite import ir
-from numba import get_thread_id, types
+from numba import get_num_threads, get_thread_id, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -175,10 +175,10 @@ _tile_a1 = make_tile(_NTA, 1, 1, "f32", _V)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_mode, out, og, ostride, nth):
+def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal, out, og, ostride, nth):
     # out[g*og + i*ostride + j] = dot(x[xr0 + g*xrg + i, xo0 + g*xog + k], w[wr0 + g*wrg + j, wo0 + g*wog + k])
     # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order);
-    # lim_mode 1: causal, row i only needs j <= lim + i (later j are left as they are)
+    # causal: row i only needs j <= lim + i (later j are left as they are)
     nj = K // LANES
     km = nj * LANES
     nti = (M + _NTA - 1) // _NTA
@@ -194,20 +194,15 @@ def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_mod
         wo = wo0 + g * wog
         ob = g * og + i0 * ostride
         n_hi = N
-        njt = nj
-        if lim_mode:
-            last = lim + i0 + nt - 1
-            if lim_mode == 2:
-                njt = max(0, min(nj, (last + LANES) // LANES))
-            else:
-                n_hi = max(0, min(N, last + 1))
+        if causal:
+            n_hi = max(0, min(N, lim + i0 + nt))      # the tile's last row needs j <= lim + i0 + nt - 1
         j = 0
         while j < n_hi:
             if j + _NRA <= n_hi:
-                _tile_a(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, njt, 3, out, ob + j, ostride)
+                _tile_a(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
                 j += _NRA
             else:
-                _tile_a1(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, njt, 3, out, ob + j, ostride)
+                _tile_a1(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
                 j += 1
         if km < K:
             for t in range(nt):
@@ -337,10 +332,9 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
     a, b = out_at if out_at is not None else (M * N, N)
     out = np.zeros(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
     if G and M and N:
-        import numba
         xn, wn = _rows2(x), _rows2(w)
         _run(_dots, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
-             0 if causal is None else causal, 0 if causal is None else 1, out, a, b, numba.get_num_threads())
+             0 if causal is None else causal, causal is not None, out, a, b, get_num_threads())
     return torch.from_numpy(out)
 
 
