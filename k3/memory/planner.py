@@ -176,9 +176,7 @@ def activation_bytes(cfg, tokens: int) -> int:
     per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4
-    # latent MLA widens kv_b_proj to fp32 into one buffer kept for the run (k3.model.mla)
-    kv_b = 4 * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank if cfg.n_mla else 0
-    return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES + kv_b
+    return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from numba import get_num_threads, get_thread_id, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant.bf16 import (LANES, _F32, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
-                          counted_loop, make_tile)
+from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
+                          counted_loop, make_tile, widen_bf16_vec)
 
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
 _SERIAL = 1 << 16
@@ -170,8 +170,21 @@ def kda_delta_update(S: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: to
 
 #: register tiles (queries x keys / rows) of the dot form, as the MXFP4 kernel's fp32 tiles
 _NTA, _NRA = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
-_tile_a = make_tile(_NTA, _NRA, 1, "f32", _V)
-_tile_a1 = make_tile(_NTA, 1, 1, "f32", _V)
+_tile_a = make_tile(_NTA, _NRA, 1, "any", _V)
+_tile_a1 = make_tile(_NTA, 1, 1, "any", _V)
+
+
+@intrinsic
+def _as_f32(typingctx, v):
+    """A float32 as it is, or bf16 bits (int16 / uint16) widened to float32 (exact)."""
+    if v == types.float32:
+        return types.float32(v), lambda context, builder, sig, args: args[0]
+    if v in (types.int16, types.uint16):
+        def codegen(context, builder, sig, args):
+            u = builder.shl(builder.zext(args[0], _I32), _I32(16))
+            return builder.bitcast(u, _F32)
+        return types.float32(v), codegen
+    return None
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -209,7 +222,7 @@ def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal,
                 for jj in range(n_hi):
                     s = out[ob + t * ostride + jj]
                     for k in range(km, K):
-                        s = _fma(x[xr + t, xo + k], w[wr + jj, wo + k], s)
+                        s = _fma(x[xr + t, xo + k], _as_f32(w[wr + jj, wo + k]), s)
                     out[ob + t * ostride + jj] = s
 
 
@@ -221,11 +234,13 @@ def make_tile_nn(max_nt, nv, v):
 
     out[obase + t*ostride + c] = the fma chain over k = 0 .. K-1 (from +0) of
     x[xr + t, xo + k] * w[wr + k, wo + c], for t < nt, c < nv * v: x broadcast, w a
-    vector load, nt x nv accumulators in registers. x, w float32 C 2-D, out float32 1-D."""
+    vector load, nt x nv accumulators in registers. x float32 C 2-D, w float32 or bf16
+    bits (int16 / uint16, widened in registers: exact) C 2-D, out float32 1-D."""
     def typer(typingctx, nt, x, xr, xo, w, wr, wo, K, out, obase, ostride):
-        def arr2(t):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
-        if not (arr2(x) and arr2(w) and isinstance(out, types.Array) and out.ndim == 1
+        def arr2(t, dts=(types.float32,)):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
+        if not (arr2(x) and arr2(w, (types.float32, types.int16, types.uint16))
+                and isinstance(out, types.Array) and out.ndim == 1
                 and out.dtype == types.float32):
             return None
         if not all(isinstance(t, types.Integer) for t in (nt, xr, xo, wr, wo, K, obase, ostride)):
@@ -238,6 +253,7 @@ def make_tile_nn(max_nt, nv, v):
             nt_v, x_v, xr, xo, w_v, wr, wo, K, out_v, obase, ostride = iv
             vt = ir.VectorType(_F32, v)
             zv = ir.Constant(vt, [0.0] * v)
+            wf32 = sig.args[4].dtype == types.float32
             outp = _data_ptr(context, builder, sig.args[8], out_v)
             wary = context.make_array(sig.args[4])(context, builder, w_v)
             wcols = cgutils.unpack_tuple(builder, wary.shape, 2)[1]
@@ -252,7 +268,8 @@ def make_tile_nn(max_nt, nv, v):
 
                 def body(k, acc, xp=xp, n_t=n_t):
                     row = builder.gep(w0, [builder.mul(k, wcols)], inbounds=True)
-                    wv = [_vload(builder, row, _I64(q * v), _F32, v) for q in range(nv)]
+                    wv = [_vload(builder, row, _I64(q * v), _F32, v) if wf32 else
+                          widen_bf16_vec(builder, _vload(builder, row, _I64(q * v), _I16, v)) for q in range(nv)]
                     new = list(acc)
                     for t in range(n_t):
                         xs = builder.load(builder.gep(xp[t], [k], inbounds=True))
@@ -308,21 +325,27 @@ def _prods(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on
             for c in range(n, N):
                 s = np.float32(0.0)
                 for k in range(kk):
-                    s = _fma(x[xr + t, xo + k], w[wr + k, wo + c], s)
+                    s = _fma(x[xr + t, xo + k], _as_f32(w[wr + k, wo + c]), s)
                 out[ob + t * ostride + c] = s
 
 
-def _rows2(t: torch.Tensor) -> np.ndarray:
-    """A C-contiguous 2-D float32 numpy view of t (refused otherwise: the callers own these)."""
-    if t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous():
-        raise ValueError("the dot form takes C-contiguous 2-D float32 operands")
+def _rows2(t: torch.Tensor, bf16: bool = False) -> np.ndarray:
+    """A C-contiguous 2-D numpy view of t: float32, or (bf16) a bfloat16 tensor's bits as
+    int16. Anything else is refused (the callers own these operands)."""
+    if t.dim() != 2 or not t.is_contiguous():
+        raise ValueError("the fixed-order matmuls take C-contiguous 2-D operands")
+    if bf16 and t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype != torch.float32:
+        raise ValueError(f"the fixed-order matmuls take float32{' or bfloat16' if bf16 else ''} operands, got {t.dtype}")
     return t.numpy()
 
 
 def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_at=(0, 0, 0, 0),
          w_at=(0, 0, 0, 0), out_at=None, causal: int | None = None) -> torch.Tensor:
     """Batched dot products in the canonical order of the BF16/MXFP4 kernels, on
-    register tiles. x, w: C-contiguous 2-D float32; for g < G, i < M, j < N:
+    register tiles. x: C-contiguous 2-D float32; w likewise, or bfloat16 (read as stored,
+    widened exactly in registers); for g < G, i < M, j < N:
 
         out[g, i, j] = sum over k < K of x[r0 + g*rg + i, o0 + g*og + k] * w[...same for j...]
 
@@ -332,7 +355,7 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
     a, b = out_at if out_at is not None else (M * N, N)
     out = np.zeros(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
     if G and M and N:
-        xn, wn = _rows2(x), _rows2(w)
+        xn, wn = _rows2(x), _rows2(w, bf16=True)
         _run(_dots, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
              0 if causal is None else causal, causal is not None, out, a, b, get_num_threads())
     return torch.from_numpy(out)
@@ -341,7 +364,8 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
 def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_at=(0, 0, 0, 0),
           w_at=(0, 0, 0, 0), out_at=None, causal: int | None = None) -> torch.Tensor:
     """Batched products ``x @ w`` with one order per element: an fma chain over k in
-    ascending order, from +0. x, w: C-contiguous 2-D float32; for g < G, i < M, n < N:
+    ascending order, from +0. x: C-contiguous 2-D float32; w likewise, or bfloat16 (read
+    as stored, widened exactly in registers); for g < G, i < M, n < N:
 
         out[g, i, n] = sum over k < K of x[r0 + g*rg + i, o0 + g*og + k] * w[r0' + g*rg' + k, o0' + g*og' + n]
 
@@ -352,6 +376,6 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
     a, b = out_at if out_at is not None else (M * N, N)
     out = np.empty(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
     if G and M and N:
-        _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w), *w_at, G, M, N, K,
+        _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
              -1 if causal is None else causal, causal is not None, out, a, b)
     return torch.from_numpy(out)

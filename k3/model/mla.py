@@ -18,8 +18,6 @@ A run uses one form for prefill, decode and full recompute alike.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..config import MLA_NORM_EPS
@@ -155,7 +153,10 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     past = st.length
     if st.latent:
         L = cfg.kv_lora_rank
-        wkv = _widened(w["self_attn.kv_b_proj.weight"])  # [H * (nope + vd), L]
+        wkv = w["self_attn.kv_b_proj.weight"]  # [H * (nope + vd), L], read as stored (bf16 widened in registers)
+        if wkv.dtype not in (torch.bfloat16, torch.float32):
+            wkv = wkv.float()
+        wkv = wkv.contiguous()
         st.append(c, k_pe)
         q2 = q.reshape(T, -1)
         # W_k^T q_nope per head: q_lat[t, h] = sum_j q[t, h, j] * wkv[h, j]
@@ -172,20 +173,6 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     if cfg.mla_use_output_gate:
         o = o * sigmoid(gate[0])
     return linear(o, w["self_attn.o_proj.weight"])
-
-
-_WIDE = threading.local()  # per thread: two engines decoding in two threads never share one
-
-
-def _widened(w: torch.Tensor) -> torch.Tensor:
-    """fp32(w) (exact) in a buffer kept per shape and reused by every step: a fresh
-    allocation of this size is a fresh mapping, page-faulted and zeroed again each time
-    (several ms a token at real sizes). Its bytes are in the plan's activation row."""
-    bufs = _WIDE.__dict__.setdefault("bufs", {})
-    buf = bufs.get(tuple(w.shape))
-    if buf is None:
-        buf = bufs[tuple(w.shape)] = torch.empty(w.shape, dtype=torch.float32)
-    return buf.copy_(w)
 
 
 __all__ = ["MLAState", "mla_layer", "attend", "attend_latent", "MLA_NORM_EPS"]

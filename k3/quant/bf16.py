@@ -182,7 +182,8 @@ def make_vdot(nt, nr, streams, wkind):
         def arr2(t, dts):
             return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
 
-        wdts = (types.float32,) if wkind == "f32" else (types.int16, types.uint16)
+        wdts = {"f32": (types.float32,), "any": (types.float32, types.int16, types.uint16)}.get(
+            wkind, (types.int16, types.uint16))
         if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
                 and arr2(w0, wdts) and w1 == w0):
             return None
@@ -302,7 +303,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
     row. Every lane still sees its own fma sequence in the canonical order, so the bits
     are those of a 64-lane loop. x_s / acc float32 C arrays [*, *].
 
-    ``wkind='f32'``: w_s float32. ``wkind='bf16eo'`` (one stream): w holds bf16 bits
+    ``wkind='f32'``: w_s float32; ``'any'``: float32, or bf16 bits (int16 / uint16)
+    widened in registers, the lanes in canonical order. ``wkind='bf16eo'`` (one stream): w holds bf16 bits
     (int16 / uint16) in the canonical element order, widened in registers two at a
     time (shift / mask of a 32-bit load), and x and acc are in the ``pair_split(v)``
     order (positions instead of lanes above; the caller permutes x once per call and
@@ -315,7 +317,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
         def arr2(t, dts):
             return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
 
-        wdts = (types.float32,) if wkind == "f32" else (types.int16, types.uint16)
+        wdts = {"f32": (types.float32,), "any": (types.float32, types.int16, types.uint16)}.get(
+            wkind, (types.int16, types.uint16))
         if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
                 and arr2(w0, wdts) and w1 == w0):
             return None
@@ -334,6 +337,7 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
             outp = _data_ptr(context, builder, sig.args[14], out_v)
             zv = ir.Constant(ir.VectorType(_F32, v), [0.0] * v)
             at, xt, wt = sig.args[1], sig.args[4], sig.args[8]
+            wf32 = wt.dtype == types.float32
             xarr, warr = [x0_v, x1_v][:streams], [w0_v, w1_v][:streams]
             # per register group: (w element offset, [(x / acc position, stream, half)])
             if eo:
@@ -373,7 +377,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
                                            builder.bitcast(builder.and_(u, ir.Constant(vi32, [-65536] * v)),
                                                            ir.VectorType(_F32, v))])
                         else:    # [r][stream]
-                            wv = [[_vload(builder, p, off, _F32, v) for p in row] for row in wp]
+                            wv = [[_vload(builder, p, off, _F32, v) if wf32 else
+                                   widen_bf16_vec(builder, _vload(builder, p, off, _I16, v)) for p in row] for row in wp]
                         new = list(acc)
                         for t in range(n_t):
                             for k, (_, s, half) in enumerate(parts):
