@@ -22,7 +22,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
-                          counted_loop, make_tile, widen_bf16_vec)
+                          F32_ONLY, W_DTYPES, c_matrix, counted_loop, for_each_nt, make_tile,
+                          widen_bf16_vec)
 
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
 _SERIAL = 1 << 16
@@ -237,9 +238,7 @@ def make_tile_nn(max_nt, nv, v):
     vector load, nt x nv accumulators in registers. x float32 C 2-D, w float32 or bf16
     bits (int16 / uint16, widened in registers: exact) C 2-D, out float32 1-D."""
     def typer(typingctx, nt, x, xr, xo, w, wr, wo, K, out, obase, ostride):
-        def arr2(t, dts=(types.float32,)):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
-        if not (arr2(x) and arr2(w, (types.float32, types.int16, types.uint16))
+        if not (c_matrix(x, F32_ONLY) and c_matrix(w, W_DTYPES["any"])
                 and isinstance(out, types.Array) and out.ndim == 1
                 and out.dtype == types.float32):
             return None
@@ -258,12 +257,7 @@ def make_tile_nn(max_nt, nv, v):
             wary = context.make_array(sig.args[4])(context, builder, w_v)
             wcols = cgutils.unpack_tuple(builder, wary.shape, 2)[1]
             w0 = _row_ptr(context, builder, sig.args[4], w_v, wr, wo)
-            done = builder.append_basic_block("nn.done")
-            sw = builder.switch(nt_v, done)
-            for n_t in range(1, max_nt + 1):
-                blk = builder.append_basic_block(f"nn.nt{n_t}")
-                sw.add_case(ir.Constant(nt_v.type, n_t), blk)
-                builder.position_at_end(blk)
+            def emit(n_t):
                 xp = [_row_ptr(context, builder, sig.args[1], x_v, builder.add(xr, _I64(t)), xo) for t in range(n_t)]
 
                 def body(k, acc, xp=xp, n_t=n_t):
@@ -284,8 +278,8 @@ def make_tile_nn(max_nt, nv, v):
                     for q in range(nv):
                         o = builder.add(obase, builder.add(builder.mul(_I64(t), ostride), _I64(q * v)))
                         _vstore(builder, fins[t * nv + q], outp, o)
-                builder.branch(done)
-            builder.position_at_end(done)
+
+            for_each_nt(builder, nt_v, max_nt, "nn", emit)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -341,6 +335,13 @@ def _rows2(t: torch.Tensor, bf16: bool = False) -> np.ndarray:
     return t.numpy()
 
 
+def _out(G: int, M: int, N: int, out_at, alloc) -> tuple[np.ndarray, int, int]:
+    """The flat float32 output of G x M x N results at out[g*a + i*b + j] (out_at = (a, b),
+    row-major [G, M, N] when None), its last element the last one written; (out, a, b)."""
+    a, b = out_at if out_at is not None else (M * N, N)
+    return alloc(max(0, (G - 1) * a + (M - 1) * b + N) if G and M and N else 0, np.float32), a, b
+
+
 def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_at=(0, 0, 0, 0),
          w_at=(0, 0, 0, 0), out_at=None, causal: int | None = None) -> torch.Tensor:
     """Batched dot products in the canonical order of the BF16/MXFP4 kernels, on
@@ -352,8 +353,7 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
     with x_at = (r0, rg, o0, og) and w_at likewise. Returns out flat: [G, M, N] row-major,
     or laid out as out[g*a + i*b + j] with out_at = (a, b) (the caller's shape). causal
     (int): only j <= causal + i is computed (the others are left zero)."""
-    a, b = out_at if out_at is not None else (M * N, N)
-    out = np.zeros(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
+    out, a, b = _out(G, M, N, out_at, np.zeros)
     if G and M and N:
         xn, wn = _rows2(x), _rows2(w, bf16=True)
         _run(_dots, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
@@ -373,8 +373,7 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
     row-major or out[g*a + i*b + n] with out_at = (a, b). causal (int): row i sums only
     k <= causal + i, x being zero beyond (adding a zero product never changes a sum
     that starts at +0), so a row gives the same bits whatever follows its keys."""
-    a, b = out_at if out_at is not None else (M * N, N)
-    out = np.empty(G * a if out_at is None else max(0, (G - 1) * a + (M - 1) * b + N), np.float32)
+    out, a, b = _out(G, M, N, out_at, np.empty)
     if G and M and N:
         _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
              -1 if causal is None else causal, causal is not None, out, a, b)

@@ -142,6 +142,32 @@ def counted_loop(builder, n, inits: list, body, name: str) -> list:
     return fins
 
 
+F32_ONLY = (types.float32,)
+#: numba dtypes a weight operand may have, per ``wkind`` of the tile intrinsics
+W_DTYPES = {"f32": F32_ONLY, "bf16": (types.int16, types.uint16), "bf16eo": (types.int16, types.uint16),
+            "any": (types.float32, types.int16, types.uint16)}
+
+
+def c_matrix(t, dts) -> bool:
+    """Whether numba type t is a C-contiguous 2-D array of one of the dtypes dts."""
+    return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
+
+
+def for_each_nt(builder, nt, max_nt: int, name: str, emit) -> None:
+    """IR for ``switch nt: case n in 1 .. max_nt: emit(n)``: one body per run-time
+    token count, each with its register tile sized when it compiles (any other nt does
+    nothing). The builder is left after the switch."""
+    done = builder.append_basic_block(f"{name}.done")
+    sw = builder.switch(nt, done)
+    for n in range(1, max_nt + 1):
+        blk = builder.append_basic_block(f"{name}.nt{n}")
+        sw.add_case(ir.Constant(nt.type, n), blk)
+        builder.position_at_end(blk)
+        emit(n)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
 def widen_bf16_vec(builder, v16):
     """<n x i16> bf16 bit patterns -> <n x float> (exact)."""
     n = v16.type.count
@@ -179,13 +205,8 @@ def make_vdot(nt, nr, streams, wkind):
     guarantee the extents."""
 
     def typer(typingctx, acc, ai, x0, x1, xi, xoff, w0, w1, wi, woff, nj, reps, step):
-        def arr2(t, dts):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
-
-        wdts = {"f32": (types.float32,), "any": (types.float32, types.int16, types.uint16)}.get(
-            wkind, (types.int16, types.uint16))
-        if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
-                and arr2(w0, wdts) and w1 == w0):
+        if not (c_matrix(acc, F32_ONLY) and c_matrix(x0, F32_ONLY) and x1 == x0
+                and c_matrix(w0, W_DTYPES[wkind]) and w1 == w0):
             return None
         for tup, n in ((ai, nt * nr), (xi, nt), (wi, nr)):
             if not (isinstance(tup, types.UniTuple) and tup.count == n and isinstance(tup.dtype, types.Integer)):
@@ -304,8 +325,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
     are those of a 64-lane loop. x_s / acc float32 C arrays [*, *].
 
     ``wkind='f32'``: w_s float32; ``'any'``: float32, or bf16 bits (int16 / uint16)
-    widened in registers, the lanes in canonical order. ``wkind='bf16eo'`` (one stream): w holds bf16 bits
-    (int16 / uint16) in the canonical element order, widened in registers two at a
+    widened in registers, the lanes in canonical order. ``wkind='bf16eo'`` (one
+    stream): w holds bf16 bits (int16 / uint16) in the canonical element order, widened in registers two at a
     time (shift / mask of a 32-bit load), and x and acc are in the ``pair_split(v)``
     order (positions instead of lanes above; the caller permutes x once per call and
     the accumulators back before the tail and the tree). No bounds checks: the callers
@@ -314,13 +335,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
     assert not eo or streams == 1
 
     def typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride):
-        def arr2(t, dts):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype in dts
-
-        wdts = {"f32": (types.float32,), "any": (types.float32, types.int16, types.uint16)}.get(
-            wkind, (types.int16, types.uint16))
-        if not (arr2(acc, (types.float32,)) and arr2(x0, (types.float32,)) and x1 == x0
-                and arr2(w0, wdts) and w1 == w0):
+        if not (c_matrix(acc, F32_ONLY) and c_matrix(x0, F32_ONLY) and x1 == x0
+                and c_matrix(w0, W_DTYPES[wkind]) and w1 == w0):
             return None
         if not (isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32):
             return None
@@ -345,12 +361,7 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
             else:
                 groups = [(v * q, [(v * q, s, None) for s in range(streams)]) for q in range(LANES // v)]
             vi32 = ir.VectorType(_I32, v)
-            done = builder.append_basic_block("tile.done")
-            sw = builder.switch(nt_v, done)
-            for n_t in range(1, max_nt + 1):
-                blk = builder.append_basic_block(f"tile.nt{n_t}")
-                sw.add_case(ir.Constant(nt_v.type, n_t), blk)
-                builder.position_at_end(blk)
+            def emit(n_t):
                 for gi, (wo, parts) in enumerate(groups):
                     npart = len(parts) if eo else 1          # accumulators per (t, r)
                     apos = [parts[k][0] for k in range(npart)]
@@ -402,8 +413,8 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
                                     ir.VectorType(_I32, LANES), _inverse(pair_split(v))))
                             o = builder.add(obase, builder.add(builder.mul(_I64(t), ostride), _I64(r)))
                             builder.store(tree_sum_ir(builder, lanes), builder.gep(outp, [o], inbounds=True))
-                builder.branch(done)
-            builder.position_at_end(done)
+
+            for_each_nt(builder, nt_v, max_nt, "tile", emit)
             return context.get_dummy_value()
 
         return sig, codegen

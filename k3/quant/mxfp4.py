@@ -54,7 +54,7 @@ from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
                    _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   job_table, kernel_isa, make_tile, _ISA, _V, _row_ptr)
+                   job_table, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -303,12 +303,7 @@ def make_vdotn_mxfp4(max_nt):
             pp = _row_ptr(context, builder, pt, pk_v, r, builder.mul(j0, I64(LANES)))
             sp = _row_ptr(context, builder, pt, sc_v, r, builder.mul(j0, I64(_GPJ)))
             z = ir.Constant(ir.VectorType(F32, LANES), [0.0] * LANES)
-            done = builder.append_basic_block("vdotn.done")
-            sw = builder.switch(nt_v, done)
-            for n_t in range(1, max_nt + 1):
-                blk = builder.append_basic_block(f"vdotn.nt{n_t}")
-                sw.add_case(ir.Constant(I64, n_t), blk)
-                builder.position_at_end(blk)
+            def emit(n_t):
                 e0 = builder.mul(j0, I64(LANES))
                 accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
                 xep = [_row_ptr(context, builder, xt, xe_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
@@ -332,8 +327,8 @@ def make_vdotn_mxfp4(max_nt):
                     with other:
                         for p, f in zip(accp, fins):
                             _vstore(builder, f, p, I64(0))
-                builder.branch(done)
-            builder.position_at_end(done)
+
+            for_each_nt(builder, nt_v, max_nt, "vdotn", emit)
             return context.get_dummy_value()
 
         return sig, codegen
