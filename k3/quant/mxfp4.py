@@ -18,7 +18,8 @@ W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
 step of a row is decoded in SIMD registers (in byte lanes: nibble -> 2 x its E2M1
 value as a small signed integer, by a byte-shuffle table lookup where the CPU has one
 (AVX2, AVX-512BW; ``kernel_isa``), else by vector arithmetic; widened to fp32 and
-multiplied by the exact factor 2^(s-128)) and consumed at once; the packed bytes are
+multiplied by the exact factor 2^(s-128); on AVX2 as bf16 words whose exponent a
+saturating subtraction scales, ``_dot_mxfp4_w``) and consumed at once; the packed bytes are
 read exactly once, prefetched ``PREFETCH_BYTES`` ahead (one thread's sequential stream
 alone did not keep the memory busy). For T = 2 .. ``_NTF`` each decoded step is used
 for all the tokens before the next is decoded (``make_vdotn_mxfp4``). For more tokens
@@ -54,7 +55,7 @@ from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
                    _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   job_table, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr)
+                   job_table, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -267,6 +268,155 @@ def _dot_mxfp4(typingctx, xe, xo, pk, sc, nj):
     return sig, codegen
 
 
+# ---- T = 1 on AVX2: the decode as bf16 words, the scale as an exponent subtraction
+#
+# The byte-lane decode above spends four instructions per eight weights (sign-extend,
+# convert, scale, and the shuffles that cut 32 decoded bytes into eights) on the two
+# floating-point ports an AVX2 core also multiplies on. This one spends about half of
+# that, mostly on integer ports: two byte shuffles look up the low and high bytes of
+# the bf16 pattern of 2 x E2M1(n) x 2^_W_BIAS, an unpack pairs them into words, one
+# saturating subtraction of (252 - s) << 7 moves the exponent to 2 x E2M1(n) x
+# 2^(s - 128) (the value the byte-lane decode makes; a zero word stays zero, and
+# 0xFFFF zeroes a whole group of scale 255), and a shift / mask of each 32-bit pair
+# widens the words to fp32 (exact). Scales 0, 1 (subnormal results), 253 and 254 (an
+# overflow to inf) cannot be reached that way: a row holding one takes the byte-lane
+# path. The unpacks and the even / odd split leave the lanes in the fixed order
+# ``W_PERM`` (x is permuted to match, once per call, and the lanes put back before
+# the tree), so each lane still sees its own fma sequence: the same bits.
+_W16 = _ISA == "avx2"
+_W_BIAS = 124
+
+
+def _w_tables():
+    import struct
+    words = [0 if d == 0 else struct.unpack("<I", struct.pack("<f", d * 2.0 ** _W_BIAS))[0] >> 16 for d in _DEC2]
+    return [w & 0xFF for w in words] * 2, [w >> 8 for w in words] * 2
+
+
+_W_TL, _W_TH = _w_tables()
+
+
+def _w_perm() -> list[int]:
+    """position -> canonical lane of the 64 lanes of a step: 32-byte half c, unpack
+    low / high u, even / odd word p; the two 128-bit halves of a register hold bytes
+    8u + 2i + p and 16 + 8u + 2i + p (i < 4) of the half."""
+    return [32 * c + 16 * hh + 8 * u + 2 * i + p for c in range(2) for u in range(2) for p in range(2)
+            for hh in range(2) for i in range(4)]
+
+
+W_PERM = _w_perm()
+
+
+@intrinsic
+def _row_deltas(typingctx, sc, d16, ng):
+    """For a row's scale bytes sc[0:ng] (ng a multiple of 4): d16[8g : 8g+8] = the word
+    (252 - s) << 7 of group g's scale s (0xFFFF for 255), the subtrahend of the AVX2
+    decode; returns 0 when every scale is in 2..252 or 255, else nonzero (the row needs
+    the byte-lane path)."""
+    if not (_u8_array(sc) and isinstance(d16, types.Array) and d16.ndim == 1 and d16.dtype == types.uint16
+            and isinstance(ng, types.Integer)):
+        return None
+    sig = types.int64(sc, d16, ng)
+
+    def codegen(context, builder, sig, args):
+        I64, I8, I16 = ir.IntType(64), ir.IntType(8), ir.IntType(16)
+        sp = _data_ptr(context, builder, sig.args[0], args[0])
+        dp = _data_ptr(context, builder, sig.args[1], args[1])
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        V4 = ir.VectorType(I16, 4)
+
+        def c(v):
+            return ir.Constant(V4, [v] * 4)
+
+        def body(k, acc):
+            s = builder.zext(_vload(builder, sp, builder.mul(k, I64(4)), I8, 4), V4)
+            is255 = builder.icmp_unsigned("==", s, c(255))
+            d = builder.select(is255, c(0xFFFF), builder.shl(builder.sub(c(252), s), c(7)))
+            bad = builder.or_(builder.icmp_unsigned("<", s, c(2)),
+                              builder.and_(builder.icmp_unsigned(">", s, c(252)), builder.not_(is255)))
+            wide = builder.shuffle_vector(d, ir.Constant(V4, ir.Undefined),
+                                          ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 8 for i in range(32)]))
+            _vstore(builder, wide, dp, builder.mul(k, I64(32)))
+            return [builder.or_(acc[0], builder.zext(builder.bitcast(bad, ir.IntType(4)), I64))]
+
+        return counted_loop(builder, builder.udiv(n, I64(4)), [I64(0)], body, "rdelta")[0]
+
+    return sig, codegen
+
+
+def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
+    """One 64-byte step of the AVX2 decode into the 8 accumulators (W_PERM order)."""
+    I64, I32, I16, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(16), ir.IntType(8), ir.FloatType()
+    VB, VW, VD, VF = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
+    shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VB, [VB, VB]), "llvm.x86.avx2.pshuf.b")
+    sub = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VW, [VW, VW]), "llvm.usub.sat.v16i16")
+    tl, th = (ir.Constant(VB, [I8(v) for v in t]) for t in (_W_TL, _W_TH))
+    m15 = ir.Constant(VB, [15] * 32)
+    off = builder.mul(j, I64(LANES))
+    new = list(acc)
+    for c in range(2):
+        b = _vload(builder, pp, builder.add(off, I64(32 * c)), I8, 32)
+        d = _vload(builder, dp, builder.add(builder.mul(j, I64(32)), I64(16 * c)), I16, 16)
+        for h, nib in enumerate((builder.and_(b, m15), builder.and_(builder.lshr(b, ir.Constant(VB, [4] * 32)), m15))):
+            lo, hi = builder.call(shuf, [tl, nib]), builder.call(shuf, [th, nib])
+            xp = (xep, xop)[h]                         # low nibbles: even elements
+            for u in range(2):                         # punpck{l,h}bw: bytes 8u.. of each 128-bit half
+                mask = [k for hh in range(2) for i in range(8) for k in (16 * hh + 8 * u + i, 48 + 16 * hh + 8 * u + i - 16)]
+                w = builder.bitcast(builder.call(sub, [builder.bitcast(builder.shuffle_vector(
+                    lo, hi, ir.Constant(ir.VectorType(I32, 32), mask)), VW), d]), VD)
+                for p, f in ((0, builder.shl(w, ir.Constant(VD, [16] * 8))),
+                             (1, builder.and_(w, ir.Constant(VD, [-65536] * 8)))):
+                    k = 4 * c + 2 * u + p
+                    xv = _vload(builder, xp, builder.add(off, I64(8 * k)), F32, 8)
+                    new[k] = _vfma(builder, xv, builder.bitcast(f, VF), new[k])
+    return new
+
+
+@intrinsic
+def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
+    """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, d16
+    from ``_row_deltas`` (which must have returned 0). Only on the AVX2 path (elsewhere
+    it compiles to nothing and is never called)."""
+    if not (_f32_array(xe) and _f32_array(xo) and _u8_array(pk) and isinstance(d16, types.Array)
+            and isinstance(nj, types.Integer)):
+        return None
+    sig = types.float32(xe, xo, pk, d16, nj)
+
+    def codegen(context, builder, sig, args):
+        I64, I32, F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+        if not _W16:
+            return ir.Constant(F32, 0.0)
+        xep, xop, pp, dp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
+        n = context.cast(builder, args[4], sig.args[4], types.int64)
+
+        def body(j, acc):
+            _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
+            return _w_step_ir(builder, pp, dp, j, xep, xop, acc)
+
+        parts = counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8, body, "dmxw")
+        while len(parts) > 1:                          # one <64 x float> in position order
+            k = parts[0].type.count
+            parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(I32, 2 * k),
+                                                                                list(range(2 * k))))
+                     for i in range(0, len(parts), 2)]
+        lanes = builder.shuffle_vector(parts[0], parts[0], ir.Constant(ir.VectorType(I32, LANES), _inverse(W_PERM)))
+        return tree_sum_ir(builder, lanes)
+
+    return sig, codegen
+
+
+_W_INDEX: dict = {}
+
+
+def _w_permuted(xh: np.ndarray) -> np.ndarray:
+    """x's even (or odd) elements [M, P], P a multiple of 64, in the W_PERM order."""
+    P = xh.shape[1]
+    idx = _W_INDEX.get(P)
+    if idx is None:
+        idx = _W_INDEX[P] = (np.arange(P // LANES)[:, None] * LANES + np.array(W_PERM)[None, :]).reshape(-1)
+    return np.ascontiguousarray(xh[:, idx])
+
+
 def make_vdotn_mxfp4(max_nt):
     """An intrinsic for a few tokens sharing each decoded step of one row::
 
@@ -403,14 +553,15 @@ def _decode_kernel(packed, scale, out, rb, nth):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, jc, nth):
+def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
     jobs[g, J_ADDR], scale bytes [n, P/16] at jobs[g, J_ADDR + 1]):
     out[off + t * n + r] = x[x0 + t] . W_g[r] for t < x1 - x0, r < n. xe/xo float32
     [M, P] (the even / odd elements of x). One prange over the row blocks of all jobs.
 
     A job with one token decodes each row in registers and consumes it at once (the
-    packed bytes are read exactly once); one of up to _NTF tokens does the same for all
+    packed bytes are read exactly once; on AVX2 by ``_dot_mxfp4_w`` from x in the
+    W_PERM order, xep / xop, unless a scale of the row needs the byte-lane decode); one of up to _NTF tokens does the same for all
     its tokens, in chunks of jc 64-byte steps. A job with more decodes a block of rb rows
     once into an exact fp32 scratch, then each tile of _NT2 tokens sweeps it in chunks
     of jc steps, _NR2 rows at a time; accumulator lanes persist across chunks. All have
@@ -420,6 +571,7 @@ def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, jc, nth):
     pm = nj * LANES
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
+    d16_all = np.empty((nth, P // 2), np.uint16)
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
     acc_all = np.empty((nth, rb * max(_NT2, _NTF), LANES), np.float32)
@@ -441,8 +593,12 @@ def _mxfp4_grouped(xe, xo, jobs, out, rb1, rb, jc, nth):
             xo0 = xo[x0]
             r0 = (b - starts[g]) * rb1
             if pm == P:                               # no tail: the whole row in registers
+                d16 = d16_all[tid]
                 for r in range(r0, min(R, r0 + rb1)):
-                    out[off + r] = _dot_mxfp4(xe0, xo0, packed[r], scale[r], nj)
+                    if _W16 and _row_deltas(scale[r], d16, P // 16) == 0:
+                        out[off + r] = _dot_mxfp4_w(xep[x0], xop[x0], packed[r], d16, nj)
+                    else:
+                        out[off + r] = _dot_mxfp4(xe0, xo0, packed[r], scale[r], nj)
                 continue
             for r in range(r0, min(R, r0 + rb1)):
                 _zero(acc)
@@ -604,7 +760,9 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
             keep = jobs[:, J_X1] > jobs[:, J_X0]
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
-            _launch(_mxfp4_grouped, work, xe, xo, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB, _JC)
+            w = _W16 and (C // 2) % LANES == 0 and bool(np.any(jobs[:, J_X1] - jobs[:, J_X0] == 1))
+            xep, xop = (_w_permuted(xe), _w_permuted(xo)) if w else (xe, xo)
+            _launch(_mxfp4_grouped, work, xe, xo, xep, xop, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB, _JC)
     return torch.from_numpy(out)
 
 
