@@ -255,17 +255,27 @@ def ref_attn_res(sources, norm_w, proj_w, eps):
     return out
 
 
-def ref_kda_recurrent(q, k, v, g, beta, state):
+def ref_kda_recurrent(q, k, v, g, beta, state, dtype=torch.float32):
+    """The recurrence in torch, its two contractions written out in k3's documented
+    order (each product rounded, then added over rows a = 0, 1, ... from +0.0; torch's
+    elementwise ops are position-independent), so the fused kernel must match it bit for
+    bit; with dtype float64, a reference to measure the error of that order."""
+    q, k, v, g, beta = (a.to(dtype) for a in (q, k, v, g, beta))
     T, H, dk = k.shape
     dv = v.shape[-1]
-    S = q.new_zeros(H, dk, dv) if state is None else state.clone()
+    S = q.new_zeros(H, dk, dv) if state is None else state.to(dtype).clone()
     out = q.new_empty(T, H, dv)
     for t in range(T):
         S = S * torch.exp(g[t]).unsqueeze(-1)
-        kt = k[t]
-        u = torch.einsum("hkv,hk->hv", S, kt)
+        kt, qt = k[t], q[t]
+        u = q.new_zeros(H, dv)
+        for a in range(dk):
+            u = u + S[:, a, :] * kt[:, a:a + 1]
         S = S + kt.unsqueeze(-1) * (beta[t].unsqueeze(-1) * (v[t] - u)).unsqueeze(1)
-        out[t] = torch.einsum("hkv,hk->hv", S, q[t])
+        o = q.new_zeros(H, dv)
+        for a in range(dk):
+            o = o + S[:, a, :] * qt[:, a:a + 1]
+        out[t] = o
     return out, S
 
 
@@ -324,6 +334,13 @@ def test_fused_kda_recurrent(T, threads):
         o, S = kda.kda_recurrent(q, k, v, gl, beta, st)
         ro, rS = ref_kda_recurrent(q, k, v, gl, beta, st)
         assert same(o, ro) and same(S, rS)
+        do, dS = ref_kda_recurrent(q, k, v, gl, beta, st, torch.float64)
+        assert torch.allclose(o.double(), do, rtol=1e-4, atol=1e-5) and torch.allclose(S.double(), dS, rtol=1e-4, atol=1e-5)
+        s1 = st
+        for t in range(T):                    # token by token: the same bits as all at once
+            o1, s1 = kda.kda_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], gl[t:t + 1], beta[t:t + 1], s1)
+            assert same(o1[0], o[t])
+        assert same(s1, S)
     assert same(S0, keep)  # the carried state is never written (snapshots hold references to it)
 
 

@@ -110,26 +110,35 @@ def scale_rows(x: torch.Tensor, s: torch.Tensor, eps: float, w: torch.Tensor | N
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _decay(S, eg, out):
-    H, dk, dv = S.shape
-    for h in prange(H):
-        for a in range(dk):
-            e = eg[h, a]
-            for b in range(dv):
-                out[h, a, b] = S[h, a, b] * e
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _delta(S, k, beta, v, u):
-    H, dk, dv = S.shape
-    for h in prange(H):
+def _kda_recurrent(S0, eg, k, beta, v, q, S, o):
+    T, H, dk = k.shape
+    dv = v.shape[2]
+    for h in prange(H):                 # one head's state (dk x dv) stays in cache for all T
+        u = np.empty(dv, np.float32)
         d = np.empty(dv, np.float32)
-        for b in range(dv):
-            d[b] = beta[h] * (v[h, b] - u[h, b])
-        for a in range(dk):
-            ka = k[h, a]
+        src = S0
+        for t in range(T):
             for b in range(dv):
-                S[h, a, b] = S[h, a, b] + ka * d[b]
+                u[b] = np.float32(0.0)
+                o[t, h, b] = np.float32(0.0)
+            for a in range(dk):         # decay, and u = S'^T k
+                e = eg[t, h, a]
+                ka = k[t, h, a]
+                for b in range(dv):
+                    x = src[h, a, b] * e
+                    S[h, a, b] = x
+                    u[b] = u[b] + x * ka
+            bt = beta[t, h]
+            for b in range(dv):
+                d[b] = bt * (v[t, h, b] - u[b])
+            for a in range(dk):         # the rank-1 update, and o = S^T q
+                ka = k[t, h, a]
+                qa = q[t, h, a]
+                for b in range(dv):
+                    x = S[h, a, b] + ka * d[b]
+                    S[h, a, b] = x
+                    o[t, h, b] = o[t, h, b] + x * qa
+            src = S
 
 
 def _run(kernel, n, *args):
@@ -146,18 +155,32 @@ def _run(kernel, n, *args):
         kernel(*args)
 
 
-def kda_decay_state(S: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
-    """S * eg.unsqueeze(-1) as a new tensor: S [H, dk, dv], eg [H, dk] = exp(g_t)."""
-    out = np.empty(S.shape, np.float32)
-    _run(_decay, S.numel(), S.numpy(), eg.numpy(), out)
-    return torch.from_numpy(out)
+def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
+                        q: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA recurrence token by token, in one call: for t < T, per head,
+    S' = S * eg[t] (per row), u = S'^T k[t], S = S' + k[t] (beta[t] (v[t] - u))^T,
+    o[t] = S^T q[t]. S0 [H, dk, dv] is never written (snapshots hold references to it);
+    eg = exp(g) [T, H, dk], k and q [T, H, dk], beta [T, H], v [T, H, dv]. Returns
+    (o [T, H, dv], the new state: ``into`` when that is a contiguous fp32 buffer of the
+    state's shape other than S0, else a new tensor).
 
-
-def kda_delta_update(S: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, u: torch.Tensor) -> None:
-    """S += k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - u)).unsqueeze(1), IN PLACE (S is
-    the step's own decayed copy): the delta rule's rank-1 update. S [H, dk, dv], k [H, dk],
-    beta [H], v and u [H, dv]."""
-    _run(_delta, S.numel(), S.numpy(), k.numpy(), beta.numpy(), v.numpy(), u.numpy())
+    The two contractions are each product rounded, then added in ascending row order
+    from +0.0 (u[b] = (((0 + S'[0,b] k[0]) + S'[1,b] k[1]) + ...)); the update rounds
+    beta (v - u), then k times it, then the sum. One fixed order per element, whatever
+    the CPU, the thread count or how many tokens share the call (BLAS's order depends on
+    all three)."""
+    T, H, dk = k.shape
+    dv = v.shape[2]
+    if (into is None or into.shape != (H, dk, dv) or into.dtype != torch.float32 or not into.is_contiguous()
+            or into.data_ptr() == S0.data_ptr()):
+        into = torch.empty(H, dk, dv)
+    S = into.numpy()
+    o = np.empty((T, H, dv), np.float32)
+    if T == 0:
+        S[...] = S0.numpy()
+    else:
+        _run(_kda_recurrent, T * S.size, S0.numpy(), eg.numpy(), k.numpy(), beta.numpy(), v.numpy(), q.numpy(), S, o)
+    return torch.from_numpy(o), into
 
 
 # ------------------------------------------------------------------ fixed-order matmuls

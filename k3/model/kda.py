@@ -11,10 +11,13 @@ triangular solve, used for prefill).
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_decay_state, kda_delta_update
+from .fused import kda_recurrent_steps
 from .ops import l2_norm, linear, linears, rms_norm, short_convs, sigmoid, softplus, vec
 
 CHUNK = 16
@@ -36,20 +39,16 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     return -A * softplus(x)
 
 
-def kda_recurrent(q, k, v, g, beta, state):
+def kda_recurrent(q, k, v, g, beta, state, into: torch.Tensor | None = None):
     """q, k [T, H, dk] (q already scaled), v [T, H, dv], g [T, H, dk] log-decay,
-    beta [T, H], state [H, dk, dv] or None. Returns (o [T, H, dv], state)."""
+    beta [T, H], state [H, dk, dv] or None (never written). Returns (o [T, H, dv], the
+    new state), the new state written into ``into`` when given (a buffer nobody else
+    holds, of the state's shape)."""
     T, H, dk = k.shape
     dv = v.shape[-1]
-    S = q.new_zeros(H, dk, dv) if state is None else state  # never written: each step makes a new S
-    out = q.new_empty(T, H, dv)
-    for t in range(T):
-        S = kda_decay_state(S, torch.exp(g[t]))  # S * exp(g_t), a new tensor
-        kt = k[t]
-        u = torch.einsum("hkv,hk->hv", S, kt)
-        kda_delta_update(S, kt, beta[t], v[t], u)  # S += k_t (beta_t (v_t - u))^T, in place
-        out[t] = torch.einsum("hkv,hk->hv", S, q[t])
-    return out, S
+    S = q.new_zeros(H, dk, dv) if state is None else state.contiguous()
+    c = torch.Tensor.contiguous
+    return kda_recurrent_steps(S, torch.exp(g).contiguous(), c(k), c(beta), c(v), c(q), into)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -91,18 +90,59 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, S
 
 
+# A state's matrix S is replaced every step (the math never writes the S it was given:
+# snapshots keep references to it). The replaced one goes back to a one-slot pool per
+# shape, from which the next layer's step takes its output buffer: without it every
+# step of every KDA layer maps, faults in and zeroes a fresh multi-MB block (large
+# blocks are returned to the system when freed, k3.memory.sysmem.return_large_blocks).
+# Only a matrix this module made, that the state still holds and that no snapshot
+# took since, is recycled; anything else (a loaded state file, a restored snapshot's
+# S) is left alone.
+_POOL: dict = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool_take(shape) -> torch.Tensor | None:
+    with _POOL_LOCK:
+        return _POOL.pop(tuple(shape), None)
+
+
+def _pool_give(t: torch.Tensor) -> None:
+    with _POOL_LOCK:
+        _POOL[tuple(t.shape)] = t
+
+
 class KDAState:
     """Carried per-layer state: conv histories for q/k/v and the recurrent matrix.
     ``record`` (a dict, when set) receives the last pass's recurrence inputs, so that the
     state can later be rolled back to any position inside that pass (speculative
-    decoding keeps only the accepted tokens): see :func:`rollback`."""
+    decoding keeps only the accepted tokens): see :func:`rollback`.
 
-    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record")
+    ``S`` is replaced by each step and the replaced matrix reused: a caller that keeps a
+    reference to ``S`` across steps must take a snapshot (InferenceState.snapshot, which
+    calls :meth:`pin`) or copy it."""
+
+    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record", "_mine", "_pin")
 
     def __init__(self):
         self.conv_q = self.conv_k = self.conv_v = None
         self.S = None
         self.record = None
+        self._mine = self._pin = None     # weak references: what this module made / a snapshot holds
+
+    def pin(self) -> None:
+        """A snapshot now references S: it must never be reused."""
+        self._pin = None if self.S is None else weakref.ref(self.S)
+
+    def advance(self, S: torch.Tensor) -> None:
+        """S becomes the state's matrix (made by this module for it); the one it replaces
+        goes back to the pool if nothing else can hold it."""
+        old = self.S
+        self.S = S
+        if (old is not None and self._mine is not None and self._mine() is old
+                and (self._pin is None or self._pin() is not old)):
+            _pool_give(old)
+        self._mine = weakref.ref(S)
 
 
 def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
@@ -144,8 +184,11 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
         chunked = False
         st.record.update(q_in=q_in, k_in=k_in, v_in=v_in, q=q, k=k, v=v, g=g, beta=beta,
                          conv_len=w["self_attn.q_conv1d.weight"].shape[-1] - 1)
-    fn = kda_chunked if chunked else kda_recurrent
-    o, st.S = fn(q, k, v, g, beta, st.S)
+    if chunked:
+        o, S = kda_chunked(q, k, v, g, beta, st.S)
+    else:
+        o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])))
+    st.advance(S)
     if not cfg.kda_full_rank_gate:
         z = linear(z, w["self_attn.g_b_proj.weight"])
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.

@@ -41,10 +41,15 @@ class InferenceState:
 
     def snapshot(self) -> "Snapshot":
         """A cheap snapshot: references to the KDA tensors (the math replaces them, it
-        never writes into them) and the MLA cache lengths."""
+        never writes into them, and a pinned matrix is never reused) and the MLA cache
+        lengths."""
         layers = []
         for ls in self.layers:
-            layers.append((ls.conv_q, ls.conv_k, ls.conv_v, ls.S) if isinstance(ls, KDAState) else ls.length)
+            if isinstance(ls, KDAState):
+                ls.pin()
+                layers.append((ls.conv_q, ls.conv_k, ls.conv_v, ls.S))
+            else:
+                layers.append(ls.length)
         return Snapshot(len(self.ids), layers)
 
     def restore(self, snap: "Snapshot") -> None:
