@@ -31,8 +31,9 @@ Kernels are numba ``@njit(parallel=True, cache=True, nogil=True)`` functions wit
 ``prange`` over fixed blocks of output rows, so every output element is produced by
 exactly one thread.
 
-* T = 1 (decode): each weight row is streamed once, four rows at a time, its 64 lanes
-  in registers (memory bound).
+* T = 1 (decode): each weight row is streamed once, its 64 lanes in registers (memory
+  bound); four rows at a time where the registers hold four rows' lanes (AVX-512) or
+  the rows are long (``_T1_FOUR_K``).
 * T > 1 (batches, speculative checks, prefill): register tiles of ``_NT`` tokens x
   ``_NR`` rows (``make_tile``). The 64 lanes are 64 independent sums, so a tile works
   on one machine register of lanes at a time (16 with AVX-512, 8 with AVX2,
@@ -522,6 +523,12 @@ def make_dotn_bf16(nr: int):
 
 _dot_bf16 = make_dotn_bf16(1)
 _dot4_bf16 = make_dotn_bf16(4)
+#: T = 1 streams four rows at once (four streams in flight keep the memory busier) when
+#: K is at least this: always on AVX-512 (4 x 4 zmm accumulators fit its 32 registers);
+#: on AVX2 only for long rows, since one row's 64 lanes already take 8 of its 16
+#: registers and four rows spill accumulators every step (on Zen 3 one row at a time
+#: was faster for K <= 2304, four for K >= 4096); never on the generic path
+_T1_FOUR_K = {"avx512": 0, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
 @intrinsic
@@ -654,7 +661,7 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
             if km == K:                               # no tail: the whole row in registers
                 n1 = min(N, r0 + rb1)
                 n = r0
-                while n + 3 < n1:                     # four rows at a time: four streams in flight
+                while K >= _T1_FOUR_K and n + 3 < n1:  # four rows at a time: four streams in flight
                     y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
                     out[off + n] = y0
                     out[off + n + 1] = y1
