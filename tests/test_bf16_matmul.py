@@ -65,7 +65,8 @@ def _emulate_canonical(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("T,N,K", [(1, 5, 200), (3, 5, 200), (4, 3, 64 * 5 + 33)])
+@pytest.mark.parametrize("T,N,K", [(1, 5, 200), (3, 5, 200), (4, 3, 64 * 5 + 33),
+                                   (1, 9, 2304), (1, 9, 4096)])  # T = 1: one row, four rows at a time
 def test_canonical_order_bit_exact(T, N, K):
     x, w = _case(11 + T + K, T, N, K)
     y = bf16_linear(x, w)
