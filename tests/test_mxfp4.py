@@ -196,11 +196,12 @@ def test_fused_decoder_equals_decode_bit_exact():
 
 
 def test_decode_path_gives_the_same_bits_for_every_scale_byte():
-    """T = 1 decodes rows by a path of its own where the CPU allows (AVX2: bf16 words and
-    an exponent subtraction, for rows whose scales are all in 2..252 or 255; any other
-    row falls back). Every scale byte, alone in a row or mixed, gives the bits of the
-    T > 1 path (which decodes in byte lanes), infinities and NaNs of scales 253 / 254
-    included, and the exact decoded weight (identity rows)."""
+    """T = 1 .. 4 decode rows in registers by a path of their own where the CPU allows
+    (AVX2: bf16 words and an exponent subtraction, for rows whose scales are all in
+    2..252 or 255; any other row falls back). Every scale byte, alone in a row or
+    mixed, gives the bits of the many-token path (which decodes in byte lanes into a
+    scratch), infinities and NaNs of scales 253 / 254 included, and the exact decoded
+    weight (identity rows)."""
     rng = np.random.default_rng(11)
     C = 256                                            # 2 steps of 64 bytes: no tail
     R = 256 + 64
@@ -210,11 +211,13 @@ def test_decode_path_gives_the_same_bits_for_every_scale_byte():
     scale[256:] = rng.integers(0, 256, (64, C // 32), dtype=np.uint8)
     scale[256:288] = rng.integers(100, 140, (32, C // 32), dtype=np.uint8)
     scale[260, 3] = 255
-    x = torch.from_numpy(rng.standard_normal((3, C)).astype(np.float32))
-    y3 = mxfp4_linear(x, packed, scale)
-    for t in range(3):
+    x = torch.from_numpy(rng.standard_normal((6, C)).astype(np.float32))
+    y6 = mxfp4_linear(x, packed, scale)
+    for t in range(6):
         y1 = mxfp4_linear(x[t], packed, scale)
-        assert np.array_equal(_bits(y1), _bits(y3[t])), t
+        assert np.array_equal(_bits(y1), _bits(y6[t])), t
+    for a, b in ((0, 2), (1, 4), (2, 6)):
+        assert np.array_equal(_bits(mxfp4_linear(x[a:b], packed, scale)), _bits(y6[a:b])), (a, b)
     W = decode_mxfp4(packed, scale).numpy() + np.float32(0.0)
     fin = np.isfinite(W).all(1)                        # rows of 253 / 254: 0 x inf is NaN in a dot
     assert fin.sum() > 250

@@ -162,8 +162,8 @@ def activation_bytes(cfg, tokens: int) -> int:
     """Upper bound of the working set of one forward over `tokens` tokens: the AttnRes
     bank and partial sums, the widest projections of a layer (several live at once),
     fp64 norm statistics, the router's scores and sort, the MoE contributions, the
-    chunked-KDA pairwise-decay scratch, attention's tiles (bounded whatever the length),
-    the logits."""
+    chunked-KDA pairwise-decay scratch and one spare KDA state matrix, attention's tiles
+    (bounded whatever the length), the logits."""
     d = cfg.hidden_size
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
     kda = cfg.kda_num_heads * cfg.kda_head_dim
@@ -176,6 +176,9 @@ def activation_bytes(cfg, tokens: int) -> int:
     per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4
+    # a step's new KDA state matrix while the old one lives; k3.model.kda keeps one such
+    # matrix between steps for the next layer to write into
+    kda_scratch += cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
     return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES
 
 

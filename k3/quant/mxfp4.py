@@ -22,7 +22,8 @@ multiplied by the exact factor 2^(s-128); on AVX2 as bf16 words whose exponent a
 saturating subtraction scales, ``_dot_mxfp4_w``) and consumed at once; the packed bytes are
 read exactly once, prefetched ``PREFETCH_BYTES`` ahead (one thread's sequential stream
 alone did not keep the memory busy). For T = 2 .. ``_NTF`` each decoded step is used
-for all the tokens before the next is decoded (``make_vdotn_mxfp4``). For more tokens
+for all the tokens before the next is decoded (``make_vdotn_mxfp4``; on AVX2
+``make_vdotn_w``). For more tokens
 a block of ``_RB`` rows is decoded the same way once into a per-thread fp32 scratch
 (exact values) and swept by the register tiles of ``k3.quant.bf16.make_tile`` (even and
 odd elements as two streams), one token tile at a time. All paths compute the same canonical order
@@ -345,7 +346,8 @@ def _row_deltas(typingctx, sc, d16, ng):
 
 
 def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
-    """One 64-byte step of the AVX2 decode into the 8 accumulators (W_PERM order)."""
+    """One 64-byte step of the AVX2 decode into the 8 accumulators (W_PERM order) of each
+    token: xep / xop lists of x pointers, acc[8 t + k] token t's register k."""
     I64, I32, I16, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(16), ir.IntType(8), ir.FloatType()
     VB, VW, VD, VF = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
     shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VB, [VB, VB]), "llvm.x86.avx2.pshuf.b")
@@ -359,7 +361,7 @@ def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
         d = _vload(builder, dp, builder.add(builder.mul(j, I64(32)), I64(16 * c)), I16, 16)
         for h, nib in enumerate((builder.and_(b, m15), builder.and_(builder.lshr(b, ir.Constant(VB, [4] * 32)), m15))):
             lo, hi = builder.call(shuf, [tl, nib]), builder.call(shuf, [th, nib])
-            xp = (xep, xop)[h]                         # low nibbles: even elements
+            xps = (xep, xop)[h]                        # low nibbles: even elements
             for u in range(2):                         # punpck{l,h}bw: bytes 8u.. of each 128-bit half
                 mask = [k for hh in range(2) for i in range(8) for k in (16 * hh + 8 * u + i, 48 + 16 * hh + 8 * u + i - 16)]
                 w = builder.bitcast(builder.call(sub, [builder.bitcast(builder.shuffle_vector(
@@ -367,8 +369,10 @@ def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
                 for p, f in ((0, builder.shl(w, ir.Constant(VD, [16] * 8))),
                              (1, builder.and_(w, ir.Constant(VD, [-65536] * 8)))):
                     k = 4 * c + 2 * u + p
-                    xv = _vload(builder, xp, builder.add(off, I64(8 * k)), F32, 8)
-                    new[k] = _vfma(builder, xv, builder.bitcast(f, VF), new[k])
+                    fv = builder.bitcast(f, VF)
+                    for t, xp in enumerate(xps):
+                        xv = _vload(builder, xp, builder.add(off, I64(8 * k)), F32, 8)
+                        new[8 * t + k] = _vfma(builder, xv, fv, new[8 * t + k])
     return new
 
 
@@ -391,7 +395,7 @@ def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
 
         def body(j, acc):
             _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
-            return _w_step_ir(builder, pp, dp, j, xep, xop, acc)
+            return _w_step_ir(builder, pp, dp, j, [xep], [xop], acc)
 
         parts = counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8, body, "dmxw")
         while len(parts) > 1:                          # one <64 x float> in position order
@@ -403,6 +407,81 @@ def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
         return tree_sum_ir(builder, lanes)
 
     return sig, codegen
+
+
+def make_vdotn_w(max_nt):
+    """``make_vdotn_mxfp4`` by the AVX2 decode (``_dot_mxfp4_w``): each step decoded
+    once in registers for the nt tokens of the call::
+
+        vdotn_w(nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride)
+
+    xe / xo in the W_PERM order (2-D, rows xr + t), d16 row dr from ``_row_deltas``
+    (which returned 0 for packed row r). The accumulators acc[a0 + t] hold the lanes in
+    the W_PERM order between chunks; ``mode`` bit 0: they start at +0.0; bit 1: finish,
+    out[obase + t * ostride] = the halving tree of the lanes put back in order. Only on
+    the AVX2 path (elsewhere it compiles to nothing and is never called)."""
+    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride):
+        def arr2(t, dt):
+            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
+
+        if not (arr2(acc, types.float32) and arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8)
+                and arr2(d16, types.uint16) and _f32_array(out)):
+            return None
+        if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, dr, r, j0, n, mode, obase, ostride)):
+            return None
+        sig = types.void(nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride)
+
+        def codegen(context, builder, sig, args):
+            if not _W16:
+                return context.get_dummy_value()
+            I64, I32, F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+                  for a, t in zip(args, sig.args)]
+            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, d_v, dr, r, j0, n, mode, out_v, obase, ostride = iv
+            at, xt = sig.args[1], sig.args[3]
+            first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
+            finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
+            outp = _data_ptr(context, builder, sig.args[13], out_v)
+            pp = _row_ptr(context, builder, sig.args[6], pk_v, r, builder.mul(j0, I64(LANES)))
+            dp = _row_ptr(context, builder, sig.args[7], d_v, dr, builder.mul(j0, I64(32)))
+            e0 = builder.mul(j0, I64(LANES))
+            z = ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)
+            inv = ir.Constant(ir.VectorType(I32, LANES), _inverse(W_PERM))
+
+            def emit(n_t):
+                accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
+                xep = [_row_ptr(context, builder, xt, xe_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+                xop = [_row_ptr(context, builder, xt, xo_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+                init = [builder.select(first, z, _vload(builder, p, I64(8 * k), F32, 8)) for p in accp for k in range(8)]
+
+                def body(j, acc):
+                    _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
+                    return _w_step_ir(builder, pp, dp, j, xep, xop, acc)
+
+                fins = counted_loop(builder, n, init, body, f"vdotnw{n_t}")
+                with builder.if_else(finish) as (then, other):
+                    with then:
+                        for t in range(n_t):
+                            parts = fins[8 * t: 8 * t + 8]
+                            while len(parts) > 1:
+                                k = parts[0].type.count
+                                parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(
+                                    ir.VectorType(I32, 2 * k), list(range(2 * k)))) for i in range(0, len(parts), 2)]
+                            o = builder.add(obase, builder.mul(I64(t), ostride))
+                            lanes = builder.shuffle_vector(parts[0], parts[0], inv)
+                            builder.store(tree_sum_ir(builder, lanes), builder.gep(outp, [o], inbounds=True))
+                    with other:
+                        for t in range(n_t):
+                            for k in range(8):
+                                _vstore(builder, fins[8 * t + k], accp[t], I64(8 * k))
+
+            for_each_nt(builder, nt_v, max_nt, "vdotnw", emit)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"vdotn{max_nt}_w"
+    return intrinsic(typer)
 
 
 _W_INDEX: dict = {}
@@ -518,6 +597,7 @@ _tile2_1 = make_tile(_NT2, 1, 2, "f32", _V)       # a block's last rows
 #: jobs of up to this many tokens decode each step in registers once for all of them
 _NTF = 4
 _vdotn = make_vdotn_mxfp4(_NTF)
+_vdotn_w = make_vdotn_w(_NTF)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -572,6 +652,8 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     d16_all = np.empty((nth, P // 2), np.uint16)
+    dw_all = np.empty((nth, rb, P // 2), np.uint16)
+    wok = np.zeros((nth, rb), np.int64)
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
     acc_all = np.empty((nth, rb * max(_NT2, _NTF), LANES), np.float32)
@@ -615,11 +697,18 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         nrb = min(R, r0 + rb) - r0
         acc = acc_all[tid]
         if T <= _NTF:                                     # a few tokens: decode in registers
+            dw = dw_all[tid]
+            for r in range(nrb):                          # 1: this row by the AVX2 decode
+                wok[tid, r] = 1 if _W16 and pm == P and _row_deltas(scale[r0 + r], dw[r], P // 16) == 0 else 0
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
                 for r in range(nrb):
-                    _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
+                    if wok[tid, r]:
+                        _vdotn_w(T, acc, r * _NTF, xep, xop, x0, packed, dw, r, r0 + r, c0, n, mode, out,
+                                 off + r0 + r, R)
+                    else:
+                        _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
             if pm < P or nj == 0:
                 sc3 = gv_all[tid]
                 te = sc3[1]
@@ -760,7 +849,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
             keep = jobs[:, J_X1] > jobs[:, J_X0]
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
-            w = _W16 and (C // 2) % LANES == 0 and bool(np.any(jobs[:, J_X1] - jobs[:, J_X0] == 1))
+            w = _W16 and (C // 2) % LANES == 0 and bool(np.any(jobs[:, J_X1] - jobs[:, J_X0] <= _NTF))
             xep, xop = (_w_permuted(xe), _w_permuted(xo)) if w else (xe, xo)
             _launch(_mxfp4_grouped, work, xe, xo, xep, xop, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB, _JC)
     return torch.from_numpy(out)
