@@ -376,6 +376,19 @@ def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
     return new
 
 
+def _w_tree_ir(builder, parts):
+    """The halving tree of one token's 8 accumulator registers (W_PERM order): joined
+    into one <64 x float>, the lanes put back in canonical order, then the tree."""
+    I32 = ir.IntType(32)
+    while len(parts) > 1:
+        k = parts[0].type.count
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(I32, 2 * k),
+                                                                            list(range(2 * k))))
+                 for i in range(0, len(parts), 2)]
+    return tree_sum_ir(builder, builder.shuffle_vector(parts[0], parts[0], ir.Constant(
+        ir.VectorType(I32, LANES), _inverse(W_PERM))))
+
+
 @intrinsic
 def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
     """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, d16
@@ -387,7 +400,7 @@ def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
     sig = types.float32(xe, xo, pk, d16, nj)
 
     def codegen(context, builder, sig, args):
-        I64, I32, F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+        I64, F32 = ir.IntType(64), ir.FloatType()
         if not _W16:
             return ir.Constant(F32, 0.0)
         xep, xop, pp, dp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
@@ -397,14 +410,8 @@ def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
             _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
             return _w_step_ir(builder, pp, dp, j, [xep], [xop], acc)
 
-        parts = counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8, body, "dmxw")
-        while len(parts) > 1:                          # one <64 x float> in position order
-            k = parts[0].type.count
-            parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(I32, 2 * k),
-                                                                                list(range(2 * k))))
-                     for i in range(0, len(parts), 2)]
-        lanes = builder.shuffle_vector(parts[0], parts[0], ir.Constant(ir.VectorType(I32, LANES), _inverse(W_PERM)))
-        return tree_sum_ir(builder, lanes)
+        return _w_tree_ir(builder, counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8,
+                                                body, "dmxw"))
 
     return sig, codegen
 
@@ -434,7 +441,7 @@ def make_vdotn_w(max_nt):
         def codegen(context, builder, sig, args):
             if not _W16:
                 return context.get_dummy_value()
-            I64, I32, F32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+            I64, F32 = ir.IntType(64), ir.FloatType()
             iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
                   for a, t in zip(args, sig.args)]
             nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, d_v, dr, r, j0, n, mode, out_v, obase, ostride = iv
@@ -446,7 +453,6 @@ def make_vdotn_w(max_nt):
             dp = _row_ptr(context, builder, sig.args[7], d_v, dr, builder.mul(j0, I64(32)))
             e0 = builder.mul(j0, I64(LANES))
             z = ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)
-            inv = ir.Constant(ir.VectorType(I32, LANES), _inverse(W_PERM))
 
             def emit(n_t):
                 accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
@@ -462,14 +468,9 @@ def make_vdotn_w(max_nt):
                 with builder.if_else(finish) as (then, other):
                     with then:
                         for t in range(n_t):
-                            parts = fins[8 * t: 8 * t + 8]
-                            while len(parts) > 1:
-                                k = parts[0].type.count
-                                parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(
-                                    ir.VectorType(I32, 2 * k), list(range(2 * k)))) for i in range(0, len(parts), 2)]
                             o = builder.add(obase, builder.mul(I64(t), ostride))
-                            lanes = builder.shuffle_vector(parts[0], parts[0], inv)
-                            builder.store(tree_sum_ir(builder, lanes), builder.gep(outp, [o], inbounds=True))
+                            builder.store(_w_tree_ir(builder, fins[8 * t: 8 * t + 8]),
+                                          builder.gep(outp, [o], inbounds=True))
                     with other:
                         for t in range(n_t):
                             for k in range(8):
@@ -651,8 +652,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     pm = nj * LANES
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
-    d16_all = np.empty((nth, P // 2), np.uint16)
-    dw_all = np.empty((nth, rb, P // 2), np.uint16)
+    dw_all = np.empty((nth, max(rb, 1), P // 2), np.uint16)  # per row: the AVX2 decode's exponent subtrahends
     wok = np.zeros((nth, rb), np.int64)
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
@@ -675,7 +675,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
             xo0 = xo[x0]
             r0 = (b - starts[g]) * rb1
             if pm == P:                               # no tail: the whole row in registers
-                d16 = d16_all[tid]
+                d16 = dw_all[tid, 0]
                 for r in range(r0, min(R, r0 + rb1)):
                     if _W16 and _row_deltas(scale[r], d16, P // 16) == 0:
                         out[off + r] = _dot_mxfp4_w(xep[x0], xop[x0], packed[r], d16, nj)
