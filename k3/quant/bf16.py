@@ -49,6 +49,8 @@ exactly one thread.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import numba
@@ -760,7 +762,7 @@ def _as_f32_activations(x, name="x"):
 
 def _bf16_matrix(w) -> tuple[int, int, int]:
     """w: torch.bfloat16 [N, K] (or numpy uint16/int16 bit patterns), contiguous ->
-    (address, N, K). Nothing is converted: a weight's bytes are read where they lie."""
+    (N, address, K). Nothing is converted: a weight's bytes are read where they lie."""
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu":
             raise ValueError(f"w must be a CPU tensor, got device {w.device}")
@@ -771,7 +773,7 @@ def _bf16_matrix(w) -> tuple[int, int, int]:
         if not w.is_contiguous():
             raise ValueError("w must be contiguous (make it contiguous once at load time; "
                              "bf16_linear never copies a weight matrix)")
-        return w.data_ptr(), w.shape[0], w.shape[1]
+        return w.shape[0], w.data_ptr(), w.shape[1]
     if isinstance(w, np.ndarray):
         if w.dtype not in (np.uint16, np.int16):
             raise ValueError(f"numpy w must hold bf16 bit patterns as uint16/int16, got {w.dtype}")
@@ -779,31 +781,72 @@ def _bf16_matrix(w) -> tuple[int, int, int]:
             raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
         if not w.flags.c_contiguous:
             raise ValueError("w must be C-contiguous")
-        return w.ctypes.data, w.shape[0], w.shape[1]
+        return w.shape[0], w.ctypes.data, w.shape[1]
     raise ValueError(f"w must be a torch.bfloat16 tensor, got {type(w).__name__}")
 
 
-def job_table(M: int, K: int, ns, addrs, rows=None) -> tuple[np.ndarray, int, int, int]:
-    """The job table (J_* columns) of a grouped call: matrix g ([ns[g], K] at addrs[g],
-    an int or a tuple of ints for the leading columns) multiplies rows ``rows[g]`` =
-    (x0, x1) of an activation of M rows (all of them when ``rows`` is None); the
-    results lie one after another, each row-major [x1 - x0, ns[g]]. Returns (jobs,
-    total output floats, multiply-adds, most tokens of one job)."""
-    G = len(ns)
-    na = len(addrs[0]) if G and isinstance(addrs[0], tuple) else 1
-    jobs = np.empty((G, J_ADDR + na), np.int64)
-    off = work = tmax = 0
-    for g in range(G):
-        x0, x1 = (0, M) if rows is None else (int(rows[g][0]), int(rows[g][1]))
+@njit(cache=True, nogil=True)
+def _fill_jobs(d, rows, M, jobs):
+    """job_table's arithmetic: the jobs with rows, in order; returns (their number,
+    total, most tokens, the first job whose rows lie outside the activation or -1)."""
+    off = tmax = j = 0
+    for g in range(d.shape[0]):
+        x0, x1 = (0, M) if rows.shape[0] == 0 else (rows[g, 0], rows[g, 1])
         if not 0 <= x0 <= x1 <= M:
-            raise ValueError(f"job {g}: rows [{x0}, {x1}) outside the activation's {M} rows")
-        n = int(ns[g])
-        jobs[g, :J_ADDR] = (n, x0, x1, off)
-        jobs[g, J_ADDR:] = addrs[g]
-        off += (x1 - x0) * n
-        work += (x1 - x0) * n * K
+            return j, off, tmax, g
+        if x1 == x0 or d[g, 0] == 0:
+            continue
+        jobs[j, J_N] = d[g, 0]
+        jobs[j, J_X0] = x0
+        jobs[j, J_X1] = x1
+        jobs[j, J_OFF] = off
+        for a in range(1, d.shape[1]):
+            jobs[j, J_ADDR + a - 1] = d[g, a]
+        off += (x1 - x0) * d[g, 0]
         tmax = max(tmax, x1 - x0)
-    return jobs, off, work, tmax
+        j += 1
+    return j, off, tmax, -1
+
+
+_ALL_ROWS = np.empty((0, 2), np.int64)
+
+
+def job_table(M: int, K: int, mats, rows=None) -> tuple[np.ndarray, int, int, int]:
+    """The job table (J_* columns) of a grouped call: matrix g, described by mats[g] =
+    (n, address, ...) ([n, K] with its leading column at address; formats with more
+    arrays give more addresses), multiplies rows ``rows[g]`` = (x0, x1) of an activation
+    of M rows (all of them when ``rows`` is None); the results lie one after another,
+    each row-major [x1 - x0, n]. Returns (jobs, total output floats, multiply-adds,
+    most tokens of one job); jobs with no rows or no outputs are left out of the table
+    (their results are empty). Rebuilt for every call at decode: one compiled loop."""
+    G = len(mats)
+    d = np.array(mats, dtype=np.int64).reshape(G, -1)
+    r = _ALL_ROWS if rows is None else np.array(rows, dtype=np.int64).reshape(G, 2)
+    jobs = np.empty((G, J_ADDR + d.shape[1] - 1), np.int64)
+    n, total, tmax, bad = _fill_jobs(d, r, M, jobs)
+    if bad >= 0:
+        raise ValueError(f"job {bad}: rows [{r[bad, 0]}, {r[bad, 1]}) outside the activation's {M} rows")
+    return jobs[:n], total, total * K, tmax
+
+
+#: weight object id -> (weakref, its checked descriptor); see ``described``
+_DESC: dict[int, tuple] = {}
+
+
+def described(w, describe):
+    """``describe(w)`` (a weight's checked address and shape), computed once per live
+    weight object: the type, dtype and layout checks cost more than a small decode
+    kernel, and a weight object's bytes never move. The entry goes with the object."""
+    k = id(w)
+    e = _DESC.get(k)
+    if e is not None and e[0]() is w:
+        return e[1]
+    d = describe(w)
+    try:
+        _DESC[k] = (weakref.ref(w, lambda _r, k=k: _DESC.pop(k, None)), d)
+    except TypeError:  # an object without weak references: checked on every call
+        pass
+    return d
 
 
 @intrinsic
@@ -861,19 +904,17 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
     ``bf16_linear(x[x0:x1], W_g)``, whatever the grouping, tokens or thread count."""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
-    mats = [_bf16_matrix(w) for w in ws]
-    for g, (_, n, k) in enumerate(mats):
+    mats = [described(w, _bf16_matrix) for w in ws]
+    for g, (n, _, k) in enumerate(mats):
         if k != K:
             raise ValueError(f"shape mismatch: x is [{M}, {K}] but matrix {g} is [{n}, {k}] (in-features differ)")
-    jobs, total, work, tmax = job_table(M, K, [n for _, n, _ in mats], [a for a, _, _ in mats], rows)
+    jobs, total, work, tmax = job_table(M, K, [m[:2] for m in mats], rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if K == 0:
             out[:] = 0.0
         else:
-            keep = jobs[:, J_X1] > jobs[:, J_X0]
-            _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, np.ascontiguousarray(jobs[keep]),
-                    out, _RB1, _RB, _KC)
+            _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, jobs, out, _RB1, _RB, _KC)
     return torch.from_numpy(out)
 
 
@@ -886,7 +927,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Summation order: the canonical order of the module docstring, so the result is
     bit-identical for any thread count and any number of tokens sharing the call."""
     xn, was_1d = _as_f32_activations(x)
-    _, N, Kw = _bf16_matrix(w)
+    N, _, Kw = described(w, _bf16_matrix)
     T, K = xn.shape
     if Kw != K:
         raise ValueError(f"shape mismatch: x is [{T}, {K}] but w is [{N}, {Kw}] (in-features differ)")

@@ -56,7 +56,7 @@ from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
                    _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   job_table, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
+                   job_table, described, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -797,7 +797,7 @@ def _u8_matrix(a, name) -> tuple[int, tuple]:
 
 
 def _mxfp4_matrix(packed, scale) -> tuple[int, int, int, int]:
-    """(packed address, scale address, R, P) of a packed weight [R, 2P], checked as
+    """(R, packed address, scale address, P) of a packed weight [R, 2P], checked as
     ``_check_packed_scale`` checks it."""
     pa, (R, P) = _u8_matrix(packed, "packed")
     sa, sshape = _u8_matrix(scale, "scale")
@@ -807,7 +807,11 @@ def _mxfp4_matrix(packed, scale) -> tuple[int, int, int, int]:
     if sshape != (R, (2 * P) // GROUP):
         raise ValueError(f"scale shape {tuple(sshape)} inconsistent with packed [{R}, {P}]: "
                          f"expected [{R}, {(2 * P) // GROUP}] (one byte per {GROUP} elements)")
-    return pa, sa, R, P
+    return R, pa, sa, P
+
+
+def _mxfp4_weight(w) -> tuple[int, int, int, int]:
+    return _mxfp4_matrix(w.packed, w.scale)
 
 
 def decode_mxfp4(packed, scale) -> torch.Tensor:
@@ -835,23 +839,22 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     ``mxfp4_linear(x[x0:x1], packed_g, scale_g)`` (canonical order)."""
     xn, _ = _as_f32_activations(x)
     M, C = xn.shape
-    mats = [_mxfp4_matrix(*((w.packed, w.scale) if hasattr(w, "packed") else w)) for w in ws]
-    for g, (_, _, R, P) in enumerate(mats):
+    mats = [described(w, _mxfp4_weight) if hasattr(w, "packed") else _mxfp4_matrix(*w) for w in ws]
+    for g, (R, _, _, P) in enumerate(mats):
         if C != 2 * P:
             raise ValueError(f"shape mismatch: x is [{M}, {C}] but weight {g} (packed [{R}, {P}]) holds a "
                              f"[{R}, {2 * P}] weight (in-features differ)")
-    jobs, total, work, tmax = job_table(M, C, [m[2] for m in mats], [(m[0], m[1]) for m in mats], rows)
+    jobs, total, work, tmax = job_table(M, C, [m[:3] for m in mats], rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if C == 0:
             out[:] = 0.0
         else:
-            keep = jobs[:, J_X1] > jobs[:, J_X0]
             xe = np.ascontiguousarray(xn[:, 0::2])
             xo = np.ascontiguousarray(xn[:, 1::2])
             w = _W16 and (C // 2) % LANES == 0 and bool(np.any(jobs[:, J_X1] - jobs[:, J_X0] <= _NTF))
             xep, xop = (_w_permuted(xe), _w_permuted(xo)) if w else (xe, xo)
-            _launch(_mxfp4_grouped, work, xe, xo, xep, xop, np.ascontiguousarray(jobs[keep]), out, _RB1, _RB, _JC)
+            _launch(_mxfp4_grouped, work, xe, xo, xep, xop, jobs, out, _RB1, _RB, _JC)
     return torch.from_numpy(out)
 
 
@@ -861,7 +864,7 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
     decoded a few at a time into a small scratch, never the full matrix. A 1-D x [C]
     gives a 1-D result [R]. Bit-identical for any thread count and any T (module doc)."""
     xn, was_1d = _as_f32_activations(x)
-    _, _, R, P = _mxfp4_matrix(packed, scale)
+    R, _, _, P = _mxfp4_matrix(packed, scale)
     T, C = xn.shape
     if C != 2 * P:
         raise ValueError(f"shape mismatch: x is [{T}, {C}] but packed [{R}, {P}] holds a "
