@@ -41,35 +41,49 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
     are one run of rows; gate and up of every expert in one call, the GLU over all
-    pairs at once, down in one call."""
+    pairs at once, down in one call. One token (decode) needs no sort: its k experts
+    are distinct, each reads row 0 of z, and its pairs are already in top-k order."""
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.reshape(-1).numpy()
-    order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
-    experts, first, count = np.unique(flat[order], return_index=True, return_counts=True)
-    span = {int(e): (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
-    zs = z[torch.from_numpy(order // k)]        # the pairs' inputs, grouped by expert
-    contrib = z.new_empty(T * k, d)
-    for group in provider.expert_groups(layer, [int(e) for e in experts]):
+    if T == 1:
+        experts = flat.tolist()
+        x, span = z, dict.fromkeys(experts, (0, 1))
+        dest = {e: [j] for j, e in enumerate(experts)}  # the pairs (rows of contrib) of each expert
+    else:
+        order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
+        uniq, first, count = np.unique(flat[order], return_index=True, return_counts=True)
+        experts = uniq.tolist()
+        span = {e: (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
+        x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
+        dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
+    contrib = None
+    for group in provider.expert_groups(layer, experts):
         es = list(group.items())
         if not es:
             continue
+        if contrib is None:
+            contrib = z.new_empty(T * k, d)
         rows = [span[e] for e, _ in es]
-        n = sum(b - a for a, b in rows)
+        pos = [p for e, _ in es for p in dest[e]]
+        n = len(pos)
         inter = es[0][1].w1.shape[0]
         gu = None
         if all(ew.w1.shape[0] == inter for _, ew in es):
-            gu = grouped_linear(zs, [ew.w1 for _, ew in es] + [ew.w3 for _, ew in es], rows + rows)
+            gu = grouped_linear(x, [ew.w1 for _, ew in es] + [ew.w3 for _, ew in es], rows + rows)
         if gu is None:  # the experts share no kernel format (F32 fixtures): one by one
             for (e, ew), (a, b) in zip(es, rows):
-                contrib[torch.from_numpy(order[a:b])] = linear(
-                    glu_act(cfg, linear(zs[a:b], ew.w1), linear(zs[a:b], ew.w3)), ew.w2)
+                contrib[dest[e]] = linear(glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
             continue
         h = glu_act(cfg, gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter))
         del gu  # (the planner's activation bound counts gate | up or the down output, not both)
-        at = np.cumsum([0] + [b - a for a, b in rows])
-        y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:])))
-        contrib[torch.from_numpy(np.concatenate([order[a:b] for a, b in rows]))] = y.view(n, d)
+        at = np.cumsum([0] + [b - a for a, b in rows]).tolist()
+        y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:]))).view(n, d)
+        if n == T * k and pos == list(range(n)):  # one group, in pair order: y is the result
+            return y.view(T, k, d)
+        contrib[pos] = y
+    if contrib is None:
+        contrib = z.new_empty(T * k, d)
     return contrib.view(T, k, d)
 
 
