@@ -212,16 +212,28 @@ def test_in_place_activation_chains(threads):
         assert same(ops.silu_glu(x, u), ref_silu(x) * u)
 
 
+def ref_sumsq(x):
+    """fp64 sum of squares over the last dim in norm_rows' documented order: eight
+    lanes (lane l: elements i = l mod 8, ascending, from +0.0), then a fixed tree."""
+    sq = x.double().square()
+    d = sq.shape[-1]
+    sq = torch.nn.functional.pad(sq, (0, -d % 8))  # + 0.0 leaves a lane's sum as it is
+    lanes = torch.zeros(*sq.shape[:-1], 8, dtype=torch.float64)
+    for c in sq.split(8, dim=-1):
+        lanes = lanes + c
+    l = lanes.unbind(-1)
+    return (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))).unsqueeze(-1)
+
+
 def ref_rms_norm(x, w, eps):
-    ms = x.double().square().mean(-1, keepdim=True)
+    ms = ref_sumsq(x) / x.shape[-1]
     inv = torch.rsqrt(ms + eps).to(torch.float32)
     y = x * inv
     return y if w is None else y * w.to(torch.float32)
 
 
 def ref_l2_norm(x, eps):
-    ss = x.double().square().sum(-1, keepdim=True)
-    return x * torch.rsqrt(ss + eps).to(torch.float32)
+    return x * torch.rsqrt(ref_sumsq(x) + eps).to(torch.float32)
 
 
 def ref_short_conv(x, w, state):
@@ -291,6 +303,8 @@ def test_fused_norms_and_sums(T, threads):
         assert same(ops.rms_norm(x, None, eps), ref_rms_norm(x, None, eps))
         x3 = x.reshape(T, 3, 100)
         assert same(ops.l2_norm(x3, eps), ref_l2_norm(x3, eps))
+        for n in (7, 263):  # shorter than one lane round; a tail of seven
+            assert same(ops.rms_norm(x[:, :n], w[:n], eps), ref_rms_norm(x[:, :n], w[:n], eps))
     c = torch.randn(T, 8, d, generator=g)
     wts = torch.rand(T, 8, generator=g)
     assert same(fused.weighted_sum(c, wts), ref_weighted_sum(c, wts))

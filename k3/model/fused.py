@@ -83,29 +83,95 @@ def short_conv_sum(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None,
     return torch.from_numpy(new_state)
 
 
+@intrinsic
+def _as_f32(typingctx, v):
+    """A float32 as it is, or bf16 bits (int16 / uint16) widened to float32 (exact)."""
+    if v == types.float32:
+        return types.float32(v), lambda context, builder, sig, args: args[0]
+    if v in (types.int16, types.uint16):
+        def codegen(context, builder, sig, args):
+            u = builder.shl(builder.zext(args[0], _I32), _I32(16))
+            return builder.bitcast(u, _F32)
+        return types.float32(v), codegen
+    return None
+
+
 @njit(cache=True, nogil=True)
-def _scale_rows(x, s, eps, w, out):
+def _norm_rows(x, eps, w, mean, out):
     R, d = x.shape
     gain = w.shape[0] > 0
+    d8 = d - d % 8
     for r in range(R):
-        inv = np.float32(1.0 / np.sqrt(s[r] + eps))
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+        for i in range(0, d8, 8):                   # lane l: the squares of x[i], i = l mod 8
+            v0 = np.float64(x[r, i])
+            v1 = np.float64(x[r, i + 1])
+            v2 = np.float64(x[r, i + 2])
+            v3 = np.float64(x[r, i + 3])
+            v4 = np.float64(x[r, i + 4])
+            v5 = np.float64(x[r, i + 5])
+            v6 = np.float64(x[r, i + 6])
+            v7 = np.float64(x[r, i + 7])
+            a0 += v0 * v0
+            a1 += v1 * v1
+            a2 += v2 * v2
+            a3 += v3 * v3
+            a4 += v4 * v4
+            a5 += v5 * v5
+            a6 += v6 * v6
+            a7 += v7 * v7
+        for i in range(d8, d):
+            v = np.float64(x[r, i])
+            m = i - d8
+            if m == 0:
+                a0 += v * v
+            elif m == 1:
+                a1 += v * v
+            elif m == 2:
+                a2 += v * v
+            elif m == 3:
+                a3 += v * v
+            elif m == 4:
+                a4 += v * v
+            elif m == 5:
+                a5 += v * v
+            else:
+                a6 += v * v
+        s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+        if mean:
+            s = s / d
+        inv = np.float32(1.0 / np.sqrt(s + eps))
         for i in range(d):
             y = x[r, i] * inv
-            out[r, i] = y * w[i] if gain else y
+            out[r, i] = y * _as_f32(w[i]) if gain else y
 
 
 _NO_GAIN = np.empty(0, np.float32)
 
 
-def scale_rows(x: torch.Tensor, s: torch.Tensor, eps: float, w: torch.Tensor | None = None) -> torch.Tensor:
-    """The tail of an RMS / L2 norm: x * fp32(rsqrt(s + eps)) (* w), per row. x fp32
-    [..., d]; s fp64 [...] (or [..., 1]): the row's mean or sum of squares, computed by
-    torch; w fp32 [d] or None. Returns a new contiguous tensor shaped like x."""
+def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: bool = True) -> torch.Tensor:
+    """An RMS norm (``mean``: x * fp32(rsqrt(mean(x^2) + eps))) or an L2 norm (the sum
+    instead of the mean) per row of x fp32 [..., d], times the gain w [d] (fp32 or bf16,
+    read as stored) if given. Returns a new contiguous tensor shaped like x.
+
+    The statistic is fp64 (each square exact) in one fixed order: eight lanes, lane l
+    the squares of the elements i = l mod 8 added in ascending i from +0.0, then
+    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); the mean divides by d; the
+    inverse root is 1 / sqrt in fp64, rounded once to fp32. (torch's fp64 reduction, used
+    before, has a CPU-dependent order; the fp32 factor came out the same on every row
+    tried, docs/ARCHITECTURE.md.)"""
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
+    if x2.dtype != torch.float32:
+        raise ValueError(f"norm_rows takes float32 activations, got {x2.dtype}")
     out = np.empty((x2.shape[0], d), np.float32)
-    _scale_rows(x2.numpy(), s.reshape(-1).numpy(), float(eps), _NO_GAIN if w is None else w.reshape(-1).numpy(), out)
+    if w is None:
+        wn = _NO_GAIN
+    else:
+        w = w.reshape(-1)
+        wn = (w.view(torch.int16) if w.dtype == torch.bfloat16 else w.to(torch.float32)).numpy()
+    _norm_rows(x2.contiguous().numpy(), float(eps), wn, mean, out)
     return torch.from_numpy(out).view(shape)
 
 
@@ -196,19 +262,6 @@ def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, bet
 _NTA, _NRA = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
 _tile_a = make_tile(_NTA, _NRA, 1, "any", _V)
 _tile_a1 = make_tile(_NTA, 1, 1, "any", _V)
-
-
-@intrinsic
-def _as_f32(typingctx, v):
-    """A float32 as it is, or bf16 bits (int16 / uint16) widened to float32 (exact)."""
-    if v == types.float32:
-        return types.float32(v), lambda context, builder, sig, args: args[0]
-    if v in (types.int16, types.uint16):
-        def codegen(context, builder, sig, args):
-            u = builder.shl(builder.zext(args[0], _I32), _I32(16))
-            return builder.bitcast(u, _F32)
-        return types.float32(v), codegen
-    return None
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import scale_rows, short_conv_sum, weighted_sum
+from .fused import norm_rows, short_conv_sum, weighted_sum
 from .weights import Mxfp4Weight
 
 
@@ -105,9 +105,9 @@ def vec(w: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """w * x / sqrt(mean(x^2) + eps); the mean of squares accumulated in fp64 (by torch),
-    the scaling fused."""
-    return scale_rows(x, x.double().square().mean(-1), eps, None if w is None else vec(w))
+    """w * x / sqrt(mean(x^2) + eps); the mean of squares in fp64 in a fixed order, all
+    in one fused call (k3.model.fused.norm_rows)."""
+    return norm_rows(x, eps, w)
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -165,7 +165,7 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (sum, not mean); the sum in fp64."""
-    return scale_rows(x, x.double().square().sum(-1), eps)
+    return norm_rows(x, eps, mean=False)
 
 
 def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
