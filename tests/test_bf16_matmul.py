@@ -150,3 +150,26 @@ def test_validation_errors():
         bf16_linear(x, np.zeros((3, 16), np.float32))
     with pytest.raises(ValueError):
         set_num_threads(0)
+
+
+def test_kept_tables_follow_their_weight_objects():
+    """A weight's descriptor and a projection group's job table are kept per live weight
+    object: a weight created where a dead one was (often the same id) gets its own,
+    and the entries go with the objects."""
+    import gc
+
+    from k3.quant import bf16 as b
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, generator=g)
+    for n in range(1, 41):  # freed and allocated in turn: ids get reused
+        w = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+        ref = torch.from_numpy(x.double().numpy() @ w.double().numpy().T).float()
+        y = bf16_linear(x, w)
+        assert y.shape == (1, n) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+        y2 = b.bf16_grouped(x, [w, w])
+        assert torch.equal(y2[:n], y[0]) and torch.equal(y2[n:], y[0])
+    k = id(w)
+    assert k in b._DESC and any(k in key[2:] for key in b._TABLES)
+    del w
+    gc.collect()
+    assert k not in b._DESC and not any(k in key[2:] for key in b._TABLES)

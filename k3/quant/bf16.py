@@ -833,6 +833,35 @@ def job_table(M: int, K: int, mats, rows=None) -> tuple[np.ndarray, int, int, in
 _DESC: dict[int, tuple] = {}
 
 
+#: (describe, M, id(w_0), id(w_1), ...) -> (weakrefs, table); see ``grouped_jobs``
+_TABLES: dict[tuple, tuple] = {}
+
+
+def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, int, int, int]:
+    """``job_table`` for weights ``ws`` described by ``describe`` (-> (n, address, ...,
+    in-features)), each checked against x's K. Without ``rows`` (a layer's projections
+    of one input, the same weight objects every step) the table of those objects at
+    this M is kept and reused while they live."""
+    if rows is None:
+        key = (describe, M, *map(id, ws))
+        e = _TABLES.get(key)
+        if e is not None and all(r() is w for r, w in zip(e[0], ws)):
+            return e[1]
+    mats = [described(w, describe) for w in ws]
+    for g, m in enumerate(mats):
+        if m[-1] != K:
+            raise ValueError(f"shape mismatch: x is [{M}, {K}] but weight {g} is [{m[0]}, {m[-1]}] "
+                             "(in-features differ)")
+    table = job_table(M, K, [m[:-1] for m in mats], rows)
+    if rows is None:
+        try:
+            refs = [weakref.ref(w, lambda _r, k=key: _TABLES.pop(k, None)) for w in ws]
+        except TypeError:
+            return table
+        _TABLES[key] = (refs, table)
+    return table
+
+
 def described(w, describe):
     """``describe(w)`` (a weight's checked address and shape), computed once per live
     weight object: the type, dtype and layout checks cost more than a small decode
@@ -904,11 +933,7 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
     ``bf16_linear(x[x0:x1], W_g)``, whatever the grouping, tokens or thread count."""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
-    mats = [described(w, _bf16_matrix) for w in ws]
-    for g, (n, _, k) in enumerate(mats):
-        if k != K:
-            raise ValueError(f"shape mismatch: x is [{M}, {K}] but matrix {g} is [{n}, {k}] (in-features differ)")
-    jobs, total, work, tmax = job_table(M, K, [m[:2] for m in mats], rows)
+    jobs, total, work, tmax = grouped_jobs(M, K, ws, _bf16_matrix, rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if K == 0:
@@ -927,9 +952,5 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Summation order: the canonical order of the module docstring, so the result is
     bit-identical for any thread count and any number of tokens sharing the call."""
     xn, was_1d = _as_f32_activations(x)
-    N, _, Kw = described(w, _bf16_matrix)
-    T, K = xn.shape
-    if Kw != K:
-        raise ValueError(f"shape mismatch: x is [{T}, {K}] but w is [{N}, {Kw}] (in-features differ)")
-    res = bf16_grouped(xn, [w]).view(T, N)
-    return res[0] if was_1d else res
+    res = bf16_grouped(xn, [w])  # checks w against x
+    return res if was_1d else res.view(xn.shape[0], described(w, _bf16_matrix)[0])

@@ -56,7 +56,7 @@ from numba.extending import intrinsic
 
 from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
                    _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   job_table, described, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
+                   grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -811,7 +811,10 @@ def _mxfp4_matrix(packed, scale) -> tuple[int, int, int, int]:
 
 
 def _mxfp4_weight(w) -> tuple[int, int, int, int]:
-    return _mxfp4_matrix(w.packed, w.scale)
+    """(R, packed address, scale address, logical in-features 2P) of an Mxfp4Weight
+    or a (packed, scale) pair."""
+    R, pa, sa, P = _mxfp4_matrix(*((w.packed, w.scale) if hasattr(w, "packed") else w))
+    return R, pa, sa, 2 * P
 
 
 def decode_mxfp4(packed, scale) -> torch.Tensor:
@@ -839,12 +842,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     ``mxfp4_linear(x[x0:x1], packed_g, scale_g)`` (canonical order)."""
     xn, _ = _as_f32_activations(x)
     M, C = xn.shape
-    mats = [described(w, _mxfp4_weight) if hasattr(w, "packed") else _mxfp4_matrix(*w) for w in ws]
-    for g, (R, _, _, P) in enumerate(mats):
-        if C != 2 * P:
-            raise ValueError(f"shape mismatch: x is [{M}, {C}] but weight {g} (packed [{R}, {P}]) holds a "
-                             f"[{R}, {2 * P}] weight (in-features differ)")
-    jobs, total, work, tmax = job_table(M, C, [m[:3] for m in mats], rows)
+    jobs, total, work, tmax = grouped_jobs(M, C, ws, _mxfp4_weight, rows)
     out = np.empty(total, dtype=np.float32)
     if total:
         if C == 0:
