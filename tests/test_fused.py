@@ -400,3 +400,15 @@ def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threa
     shared = fused.prods(p.reshape(-1, S), lat, H, T, 64, S, x_at=(0, T, 0, 0), out_at=(64, H * 64)).view(T, H, 64)
     for h in range(H):
         assert same(shared[:, h], fused.prods(p[h], lat, 1, T, 64, S).view(T, 64))
+
+
+def test_all_finite_matches_isfinite():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 70, generator=g) * 1e38
+    assert fused.all_finite(x) and fused.all_finite(x[:, ::3]) and fused.all_finite(torch.empty(0, 4))
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        for pos in (0, 69, 131, 209):
+            y = x.clone()
+            y.view(-1)[pos] = bad
+            assert not fused.all_finite(y) and fused.all_finite(y) == bool(torch.isfinite(y).all())
+    assert not fused.all_finite((x * 1e38))  # overflowed to inf

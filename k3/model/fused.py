@@ -83,6 +83,23 @@ def short_conv_sum(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None,
     return torch.from_numpy(new_state)
 
 
+@njit(cache=True, nogil=True)
+def _all_finite(x):
+    for i in range(x.size):
+        v = x[i]
+        if v - v != 0.0:                            # NaN for inf and NaN alike
+            return False
+    return True
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of the float32 tensor x is finite: one pass, no temporaries
+    (torch's isfinite + all + bool is three dispatched ops and a mask)."""
+    if x.dtype != torch.float32:
+        return bool(torch.isfinite(x).all())
+    return _all_finite(x.contiguous().view(-1).numpy())
+
+
 @intrinsic
 def _as_f32(typingctx, v):
     """A float32 as it is, or bf16 bits (int16 / uint16) widened to float32 (exact)."""

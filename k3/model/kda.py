@@ -18,7 +18,7 @@ import torch
 
 from ..config import KDA_L2_EPS
 from .fused import kda_recurrent_steps
-from .ops import l2_norm, linear, linears, rms_norm, short_convs, sigmoid, softplus, vec
+from .ops import grouped_linear, l2_norm, linear, linears, rms_norm, short_convs, sigmoid, softplus, vec
 
 CHUNK = 16
 # Below this many tokens the recurrent form is used even for prefill.
@@ -175,7 +175,15 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS) * (D ** -0.5)
     k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
     v = v.reshape(T, H, -1)
-    u = linear(f_a, w["self_attn.f_b_proj.weight"])
+    f_b = w["self_attn.f_b_proj.weight"]
+    u = zg = None
+    if not cfg.kda_full_rank_gate and f_a.shape[1] == z.shape[1]:
+        # the decay's and the low-rank gate's second projections in one call
+        flat = grouped_linear(torch.cat([f_a, z]), [f_b, w["self_attn.g_b_proj.weight"]], [(0, T), (T, 2 * T)])
+        if flat is not None:
+            u, zg = flat[:T * f_b.shape[0]].view(T, -1), flat[T * f_b.shape[0]:].view(T, -1)
+    if u is None:
+        u = linear(f_a, f_b)
     g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
     beta = sigmoid(b)  # [T, H]
     if chunked is None:
@@ -190,7 +198,7 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
         o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])))
     st.advance(S)
     if not cfg.kda_full_rank_gate:
-        z = linear(z, w["self_attn.g_b_proj.weight"])
+        z = zg if zg is not None else linear(z, w["self_attn.g_b_proj.weight"])
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
     o = o.reshape(T, -1) * sigmoid(z)

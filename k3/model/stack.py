@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NumericError
+from .fused import all_finite
 from .kda import KDAState, kda_layer
 from .kda import rollback as kda_rollback
 from .mla import MLAState, mla_layer
@@ -104,7 +105,7 @@ class Observer:
 def _finite(x: torch.Tensor, where: str) -> torch.Tensor:
     """x, or NumericError naming where the hidden state first stopped being finite. One
     pass over a [T, d] activation per layer: nothing next to the layer's matmuls."""
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise NumericError(
             f"the numbers stopped being finite after {where}: {bad} of {x.numel()} values are NaN or inf, so "
