@@ -522,6 +522,7 @@ class Batch:
                 st.record(False)
                 if undo:
                     st.restore(snap)
+                st.release(snap)
             if isinstance(e, NumericError):
                 raise NumericError(f"step {max(r.emitted for r in active)} "
                                    f"({sum(len(b) for b in blocks)} tokens read): {e}") from None
@@ -580,6 +581,8 @@ class Batch:
                 r.reading = emitted[-1:]
             r.passes += 1
             out.append((r, steps))
+        for (_, st), snap in zip(segments, snaps):  # the pass is settled: its undo snapshots go
+            st.release(snap)
         return out
 
     @staticmethod

@@ -533,8 +533,10 @@ def _apply(cmd, states, snaps, model) -> None:
     elif op == "drop":
         states.pop(key, None)
         snaps.pop(key, None)
-    elif op == "snap":
-        snaps[key] = states[key].snapshot()
+    elif op == "snap":  # one snapshot per state: the one it replaces can never be restored
+        old, snaps[key] = snaps.get(key), states[key].snapshot()
+        if old is not None:
+            states[key].release(old)
     elif op == "restore":
         states[key].restore(snaps[key])
     elif op == "record":

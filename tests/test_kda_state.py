@@ -66,3 +66,34 @@ def test_a_matrix_the_state_did_not_make_is_never_reused():
     pinned = st.S
     st.advance(torch.ones(2, 4, 4))
     assert kda._pool_take((2, 4, 4)) is None and pinned.sum() == 2 * 4 * 4
+
+
+def test_decode_reuses_matrices_through_its_per_pass_snapshots(model_dir, monkeypatch):
+    """The decode loop snapshots each state before a pass (to undo a failed one) and
+    releases the snapshot once the pass is settled: from the second step on, every KDA
+    layer's step writes into a matrix the pool hands back, while a snapshot the caller
+    took (and never released) keeps its matrices and restores exactly."""
+    taken = []
+    take = kda._pool_take
+
+    def counted(shape):
+        t = take(shape)
+        taken.append(t is not None)
+        return t
+
+    monkeypatch.setattr(kda, "_pool_take", counted)
+    with open_engine(model_dir, max_context=64) as eng:
+        st = eng.new_state()
+        list(eng.decode(PROMPT, state=st, max_tokens=1))
+        snap = st.snapshot()                                  # the caller's: never released
+        held = [ls.S for ls in _kda_layers(st)]
+        copies = [s.clone() for s in held]
+        n = len(held)
+        taken.clear()
+        steps = list(eng.decode([PROMPT[-1]], state=st, max_tokens=6))
+        assert len(taken) == 6 * n and all(taken[2 * n:]), taken
+        assert all(torch.equal(a, b) for a, b in zip(held, copies))
+        st.restore(snap)
+        again = list(eng.decode([PROMPT[-1]], state=st, max_tokens=6))
+        assert [s.token for s in again] == [s.token for s in steps]
+        assert all(torch.equal(a, b) for a, b in zip(held, copies))

@@ -139,9 +139,13 @@ def layer_ids(cfg, layers=None) -> range:
 
 
 def recurrent_state_bytes(cfg, n_layers: int | range | None = None) -> int:
+    """One sequence's KDA state: per KDA layer the conv histories and the recurrent
+    matrix twice - a pass replaces every layer's matrix while the decode loop's undo
+    snapshot keeps the one before until the pass is settled; then those go to the pool
+    (k3.model.kda) that the next pass's steps write into."""
     kda = sum(1 for i in layer_ids(cfg, n_layers) if not cfg.is_mla(i))
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
-    return (H * D * D + 3 * H * D * (cfg.conv_kernel - 1)) * 4 * kda
+    return (2 * H * D * D + 3 * H * D * (cfg.conv_kernel - 1)) * 4 * kda
 
 
 def kv_bytes_per_position(cfg, n_layers: int | range | None = None, latent: bool = True) -> int:
@@ -162,7 +166,8 @@ def activation_bytes(cfg, tokens: int) -> int:
     """Upper bound of the working set of one forward over `tokens` tokens: the AttnRes
     bank and partial sums, the widest projections of a layer (several live at once),
     fp64 norm statistics, the router's scores and sort, the MoE contributions, the
-    chunked-KDA pairwise-decay scratch and one spare KDA state matrix, attention's tiles
+    chunked-KDA pairwise-decay scratch (a step's new KDA matrices are in the recurrent
+    state row, ``recurrent_state_bytes``), attention's tiles
     (bounded whatever the length), the logits."""
     d = cfg.hidden_size
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
@@ -178,9 +183,6 @@ def activation_bytes(cfg, tokens: int) -> int:
     per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4
-    # a step's new KDA state matrix while the old one lives; k3.model.kda keeps one such
-    # matrix between steps for the next layer to write into
-    kda_scratch += cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
     return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES
 
 
@@ -539,8 +541,8 @@ def spec_bytes(cfg, n_layers: int | range, spec: int, logits: bool = True) -> in
 def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: int, available: int,
                 prefill_tokens: int, spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> list:
     each = "" if sequences == 1 else f", {sequences} sequences"
-    rows = [("recurrent state", sequences * recurrent_state_bytes(cfg, n_layers), "KDA conv + recurrent state, fp32"
-             + each)]
+    rows = [("recurrent state", sequences * recurrent_state_bytes(cfg, n_layers),
+             "KDA conv + recurrent state, fp32, the matrices twice (a pass's undo keeps the previous)" + each)]
     per = kv_bytes_per_position(cfg, n_layers, kv_latent)
     kv = tokens * per
     if kv > 0.9 * available:

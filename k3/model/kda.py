@@ -98,18 +98,19 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 # Only a matrix this module made, that the state still holds and that no snapshot
 # took since, is recycled; anything else (a loaded state file, a restored snapshot's
 # S) is left alone.
-_POOL: dict = {}
+_POOL: dict = {}  # shape -> spare matrices
 _POOL_LOCK = threading.Lock()
 
 
 def _pool_take(shape) -> torch.Tensor | None:
     with _POOL_LOCK:
-        return _POOL.pop(tuple(shape), None)
+        spare = _POOL.get(tuple(shape))
+        return spare.pop() if spare else None
 
 
 def _pool_give(t: torch.Tensor) -> None:
     with _POOL_LOCK:
-        _POOL[tuple(t.shape)] = t
+        _POOL.setdefault(tuple(t.shape), []).append(t)
 
 
 class KDAState:
@@ -120,28 +121,60 @@ class KDAState:
 
     ``S`` is replaced by each step and the replaced matrix reused: a caller that keeps a
     reference to ``S`` across steps must take a snapshot (InferenceState.snapshot, which
-    calls :meth:`pin`) or copy it."""
+    calls :meth:`pin`) or copy it. A matrix replaced while pinned is parked; when the
+    last snapshot pinning it is released (:meth:`unpin`, the decode loop's per-pass undo
+    snapshot) it goes to the pool. A snapshot that is never released keeps its matrices
+    out of the pool for good."""
 
-    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record", "_mine", "_pin")
+    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record", "_mine", "_pins", "_parked")
 
     def __init__(self):
         self.conv_q = self.conv_k = self.conv_v = None
         self.S = None
         self.record = None
-        self._mine = self._pin = None     # weak references: what this module made / a snapshot holds
+        self._mine = None       # weak reference: the current S when this module made it
+        self._pins = {}         # id(matrix) -> [weak reference, snapshots holding it]
+        self._parked = []       # weak references: matrices this module made, replaced while pinned
+
+    def _pin_entry(self, S):
+        e = self._pins.get(id(S))
+        return e if e is not None and e[0]() is S else None
 
     def pin(self) -> None:
-        """A snapshot now references S: it must never be reused."""
-        self._pin = None if self.S is None else weakref.ref(self.S)
+        """A snapshot now references S: it is not reused while the snapshot may need it."""
+        S = self.S
+        if S is None:
+            return
+        e = self._pin_entry(S)
+        if e is None:
+            k, pins = id(S), self._pins
+            e = pins[k] = [weakref.ref(S, lambda _r, k=k, pins=pins: pins.pop(k, None)), 0]
+        e[1] += 1
+
+    def unpin(self, S) -> None:
+        """A snapshot that pinned S is released: once nothing pins S and the state has
+        moved past it, S goes to the pool."""
+        e = self._pin_entry(S) if S is not None else None
+        if e is None:
+            return
+        e[1] -= 1
+        if e[1] > 0:
+            return
+        del self._pins[id(S)]
+        if S is not self.S and any(r() is S for r in self._parked):
+            self._parked = [r for r in self._parked if r() is not None and r() is not S]
+            _pool_give(S)
 
     def advance(self, S: torch.Tensor) -> None:
         """S becomes the state's matrix (made by this module for it); the one it replaces
-        goes back to the pool if nothing else can hold it."""
+        goes back to the pool if nothing else can hold it (parked while pinned)."""
         old = self.S
         self.S = S
-        if (old is not None and self._mine is not None and self._mine() is old
-                and (self._pin is None or self._pin() is not old)):
-            _pool_give(old)
+        if old is not None and self._mine is not None and self._mine() is old:
+            if self._pin_entry(old) is None:
+                _pool_give(old)
+            else:
+                self._parked = [r for r in self._parked if r() is not None] + [weakref.ref(old)]
         self._mine = weakref.ref(S)
 
 

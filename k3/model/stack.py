@@ -53,6 +53,13 @@ class InferenceState:
                 layers.append(ls.length)
         return Snapshot(len(self.ids), layers)
 
+    def release(self, snap: "Snapshot") -> None:
+        """``snap`` will not be restored: the KDA matrices it alone held may be reused
+        (the decode loop's per-pass undo snapshot, once the pass is settled)."""
+        for ls, s in zip(self.layers, snap.layers):
+            if isinstance(ls, KDAState):
+                ls.unpin(s[3])
+
     def restore(self, snap: "Snapshot") -> None:
         """Back to `snap` (after a forward pass was cut short, or to undo tokens)."""
         del self.ids[snap.n_ids:]
