@@ -41,6 +41,24 @@ def k3(*args, **kw):
                           timeout=300, env=env, **kw)
 
 
+def k3_here(*args):
+    """``k3`` in this process (the CLI's own main, its exit code and printed output):
+    for refusals that need no fresh interpreter (each subprocess costs seconds of
+    imports on a slow host)."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from k3.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def assert_refused(r, code: int, *words):
     assert r.returncode == code, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
@@ -155,19 +173,19 @@ def test_token_id_outside_vocab(good):
 
 
 def test_usage_errors(good):
-    assert_refused(k3("run", good, "--gen", 1), 2, "exactly one")
-    assert_refused(k3("run", good, "--ids", "1", "--prompt", "x"), 2, "exactly one")
-    assert_refused(k3("run", good, "--ids", "1,x"), 2, "integers")
-    assert_refused(k3("run", good, "--ids", "1", "--gen", 5000), 2, "--gen")
-    assert_refused(k3("run", good, "--ids", "1", "--layers", 99), 2, "--layers")
-    assert_refused(k3("run", good, "--prompt", "hello"), 2, "tiktoken.model")
-    assert_refused(k3("run", good / "nope", "--ids", "1"), 2, "not a folder")
+    assert_refused(k3("run", good, "--gen", 1), 2, "exactly one")  # the console entry itself, once
+    assert_refused(k3_here("run", good, "--ids", "1", "--prompt", "x"), 2, "exactly one")
+    assert_refused(k3_here("run", good, "--ids", "1,x"), 2, "integers")
+    assert_refused(k3_here("run", good, "--ids", "1", "--gen", 5000), 2, "--gen")
+    assert_refused(k3_here("run", good, "--ids", "1", "--layers", 99), 2, "--layers")
+    assert_refused(k3_here("run", good, "--prompt", "hello"), 2, "tiktoken.model")
+    assert_refused(k3_here("run", good / "nope", "--ids", "1"), 2, "not a folder")
 
 
 def test_output_path_in_missing_folder_refused_before_running(good, tmp_path):
     missing = tmp_path / "no-such-folder"
     for flag in ("--out", "--dump-logits", "--save-state"):
-        r = k3("run", good, "--ids", PROMPT, "--gen", 1, flag, missing / "x.bin")
+        r = (k3 if flag == "--out" else k3_here)("run", good, "--ids", PROMPT, "--gen", 1, flag, missing / "x.bin")
         assert_refused(r, 2, flag, "does not exist")
         assert r.stdout == ""  # nothing was generated
     assert not missing.exists()
