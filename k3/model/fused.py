@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
-                          F32_ONLY, W_DTYPES, c_matrix, counted_loop, for_each_nt, make_tile,
+                          F32_ONLY, W_DTYPES, c_matrix, counted_loop, described, for_each_nt, make_tile,
                           widen_bf16_vec)
 
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
@@ -166,6 +166,12 @@ def _norm_rows(x, eps, w, mean, out):
 _NO_GAIN = np.empty(0, np.float32)
 
 
+def _gain_array(w: torch.Tensor) -> np.ndarray:
+    """A norm gain as the kernel reads it: bf16 bits as stored (int16), else fp32."""
+    w = w.reshape(-1)
+    return (w.view(torch.int16) if w.dtype == torch.bfloat16 else w.to(torch.float32)).numpy()
+
+
 def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: bool = True) -> torch.Tensor:
     """An RMS norm (``mean``: x * fp32(rsqrt(mean(x^2) + eps))) or an L2 norm (the sum
     instead of the mean) per row of x fp32 [..., d], times the gain w [d] (fp32 or bf16,
@@ -183,11 +189,7 @@ def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: 
     if x2.dtype != torch.float32:
         raise ValueError(f"norm_rows takes float32 activations, got {x2.dtype}")
     out = np.empty((x2.shape[0], d), np.float32)
-    if w is None:
-        wn = _NO_GAIN
-    else:
-        w = w.reshape(-1)
-        wn = (w.view(torch.int16) if w.dtype == torch.bfloat16 else w.to(torch.float32)).numpy()
+    wn = _NO_GAIN if w is None else described(w, _gain_array)
     _norm_rows(x2.contiguous().numpy(), float(eps), wn, mean, out)
     return torch.from_numpy(out).view(shape)
 

@@ -49,7 +49,8 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
         for s0 in range(0, past + t1, K_TILE):  # keys past the last query's position are never seen
             s1 = min(past + t1, s0 + K_TILE)
             sc = scores(t0, t1, s0, s1)
-            sc = sc.masked_fill(torch.arange(s0, s1).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+            if s1 - 1 > past + t0:  # some key lies past the first query's position (never at decode)
+                sc = sc.masked_fill(torch.arange(s0, s1).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
             m_new = torch.maximum(m, sc.amax(-1, keepdim=True))  # finite: key 0 is in every query's first tile
             p = torch.exp(sc - m_new)
             corr = torch.exp(m - m_new)
