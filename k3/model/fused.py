@@ -185,13 +185,14 @@ def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: 
     tried, docs/ARCHITECTURE.md.)"""
     shape = x.shape
     d = shape[-1]
-    x2 = x.reshape(-1, d)
-    if x2.dtype != torch.float32:
-        raise ValueError(f"norm_rows takes float32 activations, got {x2.dtype}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"norm_rows takes float32 activations, got {x.dtype}")
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, d).contiguous()  # (each op costs us)
     out = np.empty((x2.shape[0], d), np.float32)
     wn = _NO_GAIN if w is None else described(w, _gain_array)
-    _norm_rows(x2.contiguous().numpy(), float(eps), wn, mean, out)
-    return torch.from_numpy(out).view(shape)
+    _norm_rows(x2.numpy(), float(eps), wn, mean, out)
+    y = torch.from_numpy(out)
+    return y if x.dim() == 2 else y.view(shape)
 
 
 @njit(parallel=True, cache=True, nogil=True)

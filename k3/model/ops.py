@@ -66,6 +66,8 @@ def linears(x: torch.Tensor, ws) -> list[torch.Tensor]:
     if flat is None:
         return [linear(x, w) for w in ws]
     T, outs, off = x.shape[0], [], 0
+    if T == 1:  # the [1, n] products lie side by side: one split, not a slice and a view each
+        return list(flat.view(1, -1).split([w.shape[0] for w in ws], 1))
     for w in ws:
         n = w.shape[0]
         outs.append(flat[off:off + T * n].view(T, n))

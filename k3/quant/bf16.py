@@ -740,7 +740,7 @@ def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
             raise ValueError(f"{name} must be a CPU tensor, got device {a.device}")
         if a.dtype != torch_dtype:
             raise ValueError(f"{name} must be {str(torch_dtype).replace('torch.', '')}, got {a.dtype}")
-        return a.detach().numpy()
+        return a.detach().numpy() if a.requires_grad else a.numpy()  # (detach is a dispatched op)
     if isinstance(a, np.ndarray):
         if a.dtype != np_dtype:
             raise ValueError(f"{name} must be {np.dtype(np_dtype).name}, got numpy {a.dtype}")
