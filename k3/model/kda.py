@@ -209,14 +209,16 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
     v = v.reshape(T, H, -1)
     f_b = w["self_attn.f_b_proj.weight"]
-    u = zg = None
-    if not cfg.kda_full_rank_gate and f_a.shape[1] == z.shape[1]:
-        # the decay's and the low-rank gate's second projections in one call
-        flat = grouped_linear(torch.cat([f_a, z]), [f_b, w["self_attn.g_b_proj.weight"]], [(0, T), (T, 2 * T)])
-        if flat is not None:
-            u, zg = flat[:T * f_b.shape[0]].view(T, -1), flat[T * f_b.shape[0]:].view(T, -1)
-    if u is None:
+    if cfg.kda_full_rank_gate:
         u = linear(f_a, f_b)
+    else:  # the decay's and the low-rank gate's second projections, in one call where they can share it
+        g_b = w["self_attn.g_b_proj.weight"]
+        flat = grouped_linear(torch.cat([f_a, z]), [f_b, g_b], [(0, T), (T, 2 * T)]) \
+            if f_a.shape[1] == z.shape[1] else None
+        if flat is None:
+            u, z = linear(f_a, f_b), linear(z, g_b)
+        else:
+            u, z = flat[:T * f_b.shape[0]].view(T, -1), flat[T * f_b.shape[0]:].view(T, -1)
     g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
     beta = sigmoid(b)  # [T, H]
     if chunked is None:
@@ -230,8 +232,6 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     else:
         o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])))
     st.advance(S)
-    if not cfg.kda_full_rank_gate:
-        z = zg if zg is not None else linear(z, w["self_attn.g_b_proj.weight"])
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
     o = o.reshape(T, -1) * sigmoid(z)

@@ -57,13 +57,11 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         span = {e: (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
         x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
         dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
-    contrib = None
+    contrib = z.new_empty(T * k, d)
     for group in provider.expert_groups(layer, experts):
         es = list(group.items())
         if not es:
             continue
-        if contrib is None:
-            contrib = z.new_empty(T * k, d)
         rows = [span[e] for e, _ in es]
         pos = [p for e, _ in es for p in dest[e]]
         n = len(pos)
@@ -82,8 +80,6 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         if n == T * k and pos == list(range(n)):  # one group, in pair order: y is the result
             return y.view(T, k, d)
         contrib[pos] = y
-    if contrib is None:
-        contrib = z.new_empty(T * k, d)
     return contrib.view(T, k, d)
 
 

@@ -829,10 +829,6 @@ def job_table(M: int, K: int, mats, rows=None) -> tuple[np.ndarray, int, int, in
     return jobs[:n], total, total * K, tmax
 
 
-#: weight object id -> (weakref, its checked descriptor); see ``described``
-_DESC: dict[int, tuple] = {}
-
-
 #: (describe, M, id(w_0), id(w_1), ...) -> (weakrefs, table); see ``grouped_jobs``
 _TABLES: dict[tuple, tuple] = {}
 
@@ -860,6 +856,10 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
             return table
         _TABLES[key] = (refs, table)
     return table
+
+
+#: weight object id -> (weakref, its checked descriptor); see ``described``
+_DESC: dict[int, tuple] = {}
 
 
 def described(w, describe):

@@ -862,13 +862,8 @@ def mxfp4_linear(x: torch.Tensor, packed, scale) -> torch.Tensor:
     decoded a few at a time into a small scratch, never the full matrix. A 1-D x [C]
     gives a 1-D result [R]. Bit-identical for any thread count and any T (module doc)."""
     xn, was_1d = _as_f32_activations(x)
-    R, _, _, P = _mxfp4_matrix(packed, scale)
-    T, C = xn.shape
-    if C != 2 * P:
-        raise ValueError(f"shape mismatch: x is [{T}, {C}] but packed [{R}, {P}] holds a "
-                         f"[{R}, {2 * P}] weight (in-features differ)")
-    res = mxfp4_grouped(xn, [(packed, scale)]).view(T, R)
-    return res[0] if was_1d else res
+    res = mxfp4_grouped(xn, [(packed, scale)])  # checks the weight against x
+    return res if was_1d else res.view(xn.shape[0], _mxfp4_matrix(packed, scale)[0])
 
 
 # ---------------------------------------------------------------- encoder (for writers, not the hot path)
