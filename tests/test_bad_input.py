@@ -52,10 +52,7 @@ def k3_here(*args):
     from k3.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's own usage errors
-            code = e.code
+        code = main([str(a) for a in args])  # (main turns argparse's exits into codes too)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
