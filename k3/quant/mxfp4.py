@@ -278,8 +278,9 @@ def _dot_mxfp4(typingctx, xe, xo, pk, sc, nj):
 # the bf16 pattern of 2 x E2M1(n) x 2^_W_BIAS, an unpack pairs them into words, one
 # saturating subtraction of (252 - s) << 7 moves the exponent to 2 x E2M1(n) x
 # 2^(s - 128) (the value the byte-lane decode makes; a zero word stays zero, and
-# 0xFFFF zeroes a whole group of scale 255), and a shift / mask of each 32-bit pair
-# widens the words to fp32 (exact). Scales 0, 1 (subnormal results), 253 and 254 (an
+# 0xFFFF zeroes a whole group of scale 255; the step's four scale bytes become these
+# words in registers, no pass of its own over the row), and a shift / mask of each
+# 32-bit pair widens the words to fp32 (exact). Scales 0, 1 (subnormal results), 253 and 254 (an
 # overflow to inf) cannot be reached that way: a row holding one takes the byte-lane
 # path. The unpacks and the even / odd split leave the lanes in the fixed order
 # ``W_PERM`` (x is permuted to match, once per call, and the lanes put back before
@@ -308,46 +309,22 @@ def _w_perm() -> list[int]:
 W_PERM = _w_perm()
 
 
-@intrinsic
-def _row_deltas(typingctx, sc, d16, ng):
-    """For a row's scale bytes sc[0:ng] (ng a multiple of 4): d16[8g : 8g+8] = the word
-    (252 - s) << 7 of group g's scale s (0xFFFF for 255), the subtrahend of the AVX2
-    decode; returns 0 when every scale is in 2..252 or 255, else nonzero (the row needs
-    the byte-lane path)."""
-    if not (_u8_array(sc) and isinstance(d16, types.Array) and d16.ndim == 1 and d16.dtype == types.uint16
-            and isinstance(ng, types.Integer)):
-        return None
-    sig = types.int64(sc, d16, ng)
-
-    def codegen(context, builder, sig, args):
-        I64, I8, I16 = ir.IntType(64), ir.IntType(8), ir.IntType(16)
-        sp = _data_ptr(context, builder, sig.args[0], args[0])
-        dp = _data_ptr(context, builder, sig.args[1], args[1])
-        n = context.cast(builder, args[2], sig.args[2], types.int64)
-        V4 = ir.VectorType(I16, 4)
-
-        def c(v):
-            return ir.Constant(V4, [v] * 4)
-
-        def body(k, acc):
-            s = builder.zext(_vload(builder, sp, builder.mul(k, I64(4)), I8, 4), V4)
-            is255 = builder.icmp_unsigned("==", s, c(255))
-            d = builder.select(is255, c(0xFFFF), builder.shl(builder.sub(c(252), s), c(7)))
-            bad = builder.or_(builder.icmp_unsigned("<", s, c(2)),
-                              builder.and_(builder.icmp_unsigned(">", s, c(252)), builder.not_(is255)))
-            wide = builder.shuffle_vector(d, ir.Constant(V4, ir.Undefined),
-                                          ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 8 for i in range(32)]))
-            _vstore(builder, wide, dp, builder.mul(k, I64(32)))
-            return [builder.or_(acc[0], builder.zext(builder.bitcast(bad, ir.IntType(4)), I64))]
-
-        return counted_loop(builder, builder.udiv(n, I64(4)), [I64(0)], body, "rdelta")[0]
-
-    return sig, codegen
+@njit(cache=True, nogil=True, inline="always")
+def _row_bad(sc):
+    """Nonzero when a scale byte of the row is 0, 1, 253 or 254 (the row needs the
+    byte-lane decode)."""
+    bad = 0
+    for s in sc:
+        bad |= (s < 2) | ((s > 252) & (s != 255))
+    return bad
 
 
-def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
+def _w_step_ir(builder, pp, sp, j, xep, xop, acc):
     """One 64-byte step of the AVX2 decode into the 8 accumulators (W_PERM order) of each
-    token: xep / xop lists of x pointers, acc[8 t + k] token t's register k."""
+    token: pp / sp the row's packed / scale bytes, xep / xop lists of x pointers,
+    acc[8 t + k] token t's register k. The step's four scale bytes give the subtrahends
+    (252 - s) << 7 (0xFFFF for 255) in registers, each word spread over its group's
+    eight; the row must hold no scale 0, 1, 253 or 254 (``_row_bad``)."""
     I64, I32, I16, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(16), ir.IntType(8), ir.FloatType()
     VB, VW, VD, VF = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
     shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VB, [VB, VB]), "llvm.x86.avx2.pshuf.b")
@@ -355,10 +332,15 @@ def _w_step_ir(builder, pp, dp, j, xep, xop, acc):
     tl, th = (ir.Constant(VB, [I8(v) for v in t]) for t in (_W_TL, _W_TH))
     m15 = ir.Constant(VB, [15] * 32)
     off = builder.mul(j, I64(LANES))
+    V4 = ir.VectorType(I16, 4)
+    s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), I8, _GPJ), V4)
+    d4 = builder.select(builder.icmp_unsigned("==", s4, ir.Constant(V4, [255] * 4)), ir.Constant(V4, [0xFFFF] * 4),
+                        builder.shl(builder.sub(ir.Constant(V4, [252] * 4), s4), ir.Constant(V4, [7] * 4)))
     new = list(acc)
     for c in range(2):
         b = _vload(builder, pp, builder.add(off, I64(32 * c)), I8, 32)
-        d = _vload(builder, dp, builder.add(builder.mul(j, I64(32)), I64(16 * c)), I16, 16)
+        d = builder.shuffle_vector(d4, ir.Constant(d4.type, ir.Undefined),
+                                   ir.Constant(ir.VectorType(I32, 16), [2 * c] * 8 + [2 * c + 1] * 8))
         for h, nib in enumerate((builder.and_(b, m15), builder.and_(builder.lshr(b, ir.Constant(VB, [4] * 32)), m15))):
             lo, hi = builder.call(shuf, [tl, nib]), builder.call(shuf, [th, nib])
             xps = (xep, xop)[h]                        # low nibbles: even elements
@@ -390,25 +372,24 @@ def _w_tree_ir(builder, parts):
 
 
 @intrinsic
-def _dot_mxfp4_w(typingctx, xe, xo, pk, d16, nj):
-    """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, d16
-    from ``_row_deltas`` (which must have returned 0). Only on the AVX2 path (elsewhere
-    it compiles to nothing and is never called)."""
-    if not (_f32_array(xe) and _f32_array(xo) and _u8_array(pk) and isinstance(d16, types.Array)
-            and isinstance(nj, types.Integer)):
+def _dot_mxfp4_w(typingctx, xe, xo, pk, sc, nj):
+    """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, a row
+    for which ``_row_bad`` is 0. Only on the AVX2 path (elsewhere it compiles to nothing
+    and is never called)."""
+    if not (_f32_array(xe) and _f32_array(xo) and _u8_array(pk) and _u8_array(sc) and isinstance(nj, types.Integer)):
         return None
-    sig = types.float32(xe, xo, pk, d16, nj)
+    sig = types.float32(xe, xo, pk, sc, nj)
 
     def codegen(context, builder, sig, args):
         I64, F32 = ir.IntType(64), ir.FloatType()
         if not _W16:
             return ir.Constant(F32, 0.0)
-        xep, xop, pp, dp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
+        xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
         n = context.cast(builder, args[4], sig.args[4], types.int64)
 
         def body(j, acc):
             _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
-            return _w_step_ir(builder, pp, dp, j, [xep], [xop], acc)
+            return _w_step_ir(builder, pp, sp, j, [xep], [xop], acc)
 
         return _w_tree_ir(builder, counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8,
                                                 body, "dmxw"))
@@ -420,23 +401,23 @@ def make_vdotn_w(max_nt):
     """``make_vdotn_mxfp4`` by the AVX2 decode (``_dot_mxfp4_w``): each step decoded
     once in registers for the nt tokens of the call::
 
-        vdotn_w(nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride)
+        vdotn_w(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
 
-    xe / xo in the W_PERM order (2-D, rows xr + t), d16 row dr from ``_row_deltas``
-    (which returned 0 for packed row r). The accumulators acc[a0 + t] hold the lanes in
+    xe / xo in the W_PERM order (2-D, rows xr + t), a row r for which ``_row_bad`` is 0.
+    The accumulators acc[a0 + t] hold the lanes in
     the W_PERM order between chunks; ``mode`` bit 0: they start at +0.0; bit 1: finish,
     out[obase + t * ostride] = the halving tree of the lanes put back in order. Only on
     the AVX2 path (elsewhere it compiles to nothing and is never called)."""
-    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride):
+    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
         def arr2(t, dt):
             return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
 
         if not (arr2(acc, types.float32) and arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8)
-                and arr2(d16, types.uint16) and _f32_array(out)):
+                and sc == pk and _f32_array(out)):
             return None
-        if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, dr, r, j0, n, mode, obase, ostride)):
+        if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, r, j0, n, mode, obase, ostride)):
             return None
-        sig = types.void(nt, acc, a0, xe, xo, xr, pk, d16, dr, r, j0, n, mode, out, obase, ostride)
+        sig = types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
 
         def codegen(context, builder, sig, args):
             if not _W16:
@@ -444,13 +425,13 @@ def make_vdotn_w(max_nt):
             I64, F32 = ir.IntType(64), ir.FloatType()
             iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
                   for a, t in zip(args, sig.args)]
-            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, d_v, dr, r, j0, n, mode, out_v, obase, ostride = iv
+            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, j0, n, mode, out_v, obase, ostride = iv
             at, xt = sig.args[1], sig.args[3]
             first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
             finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
-            outp = _data_ptr(context, builder, sig.args[13], out_v)
+            outp = _data_ptr(context, builder, sig.args[12], out_v)
             pp = _row_ptr(context, builder, sig.args[6], pk_v, r, builder.mul(j0, I64(LANES)))
-            dp = _row_ptr(context, builder, sig.args[7], d_v, dr, builder.mul(j0, I64(32)))
+            sp = _row_ptr(context, builder, sig.args[7], sc_v, r, builder.mul(j0, I64(_GPJ)))
             e0 = builder.mul(j0, I64(LANES))
             z = ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)
 
@@ -462,7 +443,7 @@ def make_vdotn_w(max_nt):
 
                 def body(j, acc):
                     _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
-                    return _w_step_ir(builder, pp, dp, j, xep, xop, acc)
+                    return _w_step_ir(builder, pp, sp, j, xep, xop, acc)
 
                 fins = counted_loop(builder, n, init, body, f"vdotnw{n_t}")
                 with builder.if_else(finish) as (then, other):
@@ -652,7 +633,6 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     pm = nj * LANES
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
-    dw_all = np.empty((nth, max(rb, 1), P // 2), np.uint16)  # per row: the AVX2 decode's exponent subtrahends
     wok = np.zeros((nth, rb), np.int64)
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
@@ -675,10 +655,9 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
             xo0 = xo[x0]
             r0 = (b - starts[g]) * rb1
             if pm == P:                               # no tail: the whole row in registers
-                d16 = dw_all[tid, 0]
                 for r in range(r0, min(R, r0 + rb1)):
-                    if _W16 and _row_deltas(scale[r], d16, P // 16) == 0:
-                        out[off + r] = _dot_mxfp4_w(xep[x0], xop[x0], packed[r], d16, nj)
+                    if _W16 and _row_bad(scale[r]) == 0:
+                        out[off + r] = _dot_mxfp4_w(xep[x0], xop[x0], packed[r], scale[r], nj)
                     else:
                         out[off + r] = _dot_mxfp4(xe0, xo0, packed[r], scale[r], nj)
                 continue
@@ -697,15 +676,14 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         nrb = min(R, r0 + rb) - r0
         acc = acc_all[tid]
         if T <= _NTF:                                     # a few tokens: decode in registers
-            dw = dw_all[tid]
             for r in range(nrb):                          # 1: this row by the AVX2 decode
-                wok[tid, r] = 1 if _W16 and pm == P and _row_deltas(scale[r0 + r], dw[r], P // 16) == 0 else 0
+                wok[tid, r] = 1 if _W16 and pm == P and _row_bad(scale[r0 + r]) == 0 else 0
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
                 for r in range(nrb):
                     if wok[tid, r]:
-                        _vdotn_w(T, acc, r * _NTF, xep, xop, x0, packed, dw, r, r0 + r, c0, n, mode, out,
+                        _vdotn_w(T, acc, r * _NTF, xep, xop, x0, packed, scale, r0 + r, c0, n, mode, out,
                                  off + r0 + r, R)
                     else:
                         _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
