@@ -466,18 +466,6 @@ def make_vdotn_w(max_nt):
     return intrinsic(typer)
 
 
-_W_INDEX: dict = {}
-
-
-def _w_permuted(xh: np.ndarray) -> np.ndarray:
-    """x's even (or odd) elements [M, P], P a multiple of 64, in the W_PERM order."""
-    P = xh.shape[1]
-    idx = _W_INDEX.get(P)
-    if idx is None:
-        idx = _W_INDEX[P] = (np.arange(P // LANES)[:, None] * LANES + np.array(W_PERM)[None, :]).reshape(-1)
-    return np.ascontiguousarray(xh[:, idx])
-
-
 def make_vdotn_mxfp4(max_nt):
     """An intrinsic for a few tokens sharing each decoded step of one row::
 
@@ -612,6 +600,41 @@ def _decode_kernel(packed, scale, out, rb, nth):
                     for i in range(16):
                         o[2 * i] = _dec_lo(pk[i]) * f
                         o[2 * i + 1] = _dec_hi(pk[i]) * f
+
+
+_W_PERM_ARR = np.array(W_PERM, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _split_x(x, jobs):
+    """x float32 [M, 2P] -> (xe, xo, xep, xop): x's even / odd elements [M, P], and
+    those in the W_PERM order of each 64-lane step when the AVX2 decode will read them
+    (a job of at most _NTF tokens, P a multiple of 64; else xep / xop are xe / xo).
+    One compiled pass: as numpy slicing and fancy indexing it cost more than a small
+    MXFP4 kernel."""
+    M, C = x.shape
+    P = C // 2
+    xe = np.empty((M, P), np.float32)
+    xo = np.empty((M, P), np.float32)
+    for t in range(M):
+        for p in range(P):
+            xe[t, p] = x[t, 2 * p]
+            xo[t, p] = x[t, 2 * p + 1]
+    few = False
+    if _W16 and P % LANES == 0:
+        for g in range(jobs.shape[0]):
+            if jobs[g, J_X1] - jobs[g, J_X0] <= _NTF:
+                few = True
+    if not few:
+        return xe, xo, xe, xo
+    xep = np.empty((M, P), np.float32)
+    xop = np.empty((M, P), np.float32)
+    for t in range(M):
+        for j in range(0, P, LANES):
+            for i in range(LANES):
+                xep[t, j + i] = xe[t, j + _W_PERM_ARR[i]]
+                xop[t, j + i] = xo[t, j + _W_PERM_ARR[i]]
+    return xe, xo, xep, xop
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -826,11 +849,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
         if C == 0:
             out[:] = 0.0
         else:
-            xe = np.ascontiguousarray(xn[:, 0::2])
-            xo = np.ascontiguousarray(xn[:, 1::2])
-            w = _W16 and (C // 2) % LANES == 0 and bool(np.any(jobs[:, J_X1] - jobs[:, J_X0] <= _NTF))
-            xep, xop = (_w_permuted(xe), _w_permuted(xo)) if w else (xe, xo)
-            _launch(_mxfp4_grouped, work, xe, xo, xep, xop, jobs, out, _RB1, _RB, _JC)
+            _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
     return torch.from_numpy(out)
 
 
