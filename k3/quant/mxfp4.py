@@ -251,18 +251,38 @@ def _vdot_mxfp4(typingctx, acc, xe, xo, pk, sc, nj):
     return sig, codegen
 
 
+def _row_args(xe, xo, xr, pk, sc, r, nj):
+    """The argument types of the one-row dots: x's even / odd rows xr of 2-D float32 C
+    arrays, row r of 2-D uint8 C arrays of packed / scale bytes, nj steps. Row indices,
+    not row views: a view made per row costs reference counting calls per row."""
+    def arr2(t, dt):
+        return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
+    return (arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8) and sc == pk
+            and all(isinstance(t, types.Integer) for t in (xr, r, nj)))
+
+
+def _row_ptrs(context, builder, sig, args):
+    """(xe, xo, packed, scale pointers at their rows, nj as i64) for ``_row_args``."""
+    i64 = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 5, 6)]
+    xr, r, n = i64
+    zero = ir.IntType(64)(0)
+    return (_row_ptr(context, builder, sig.args[0], args[0], xr, zero),
+            _row_ptr(context, builder, sig.args[1], args[1], xr, zero),
+            _row_ptr(context, builder, sig.args[3], args[3], r, zero),
+            _row_ptr(context, builder, sig.args[4], args[4], r, zero), n)
+
+
 @intrinsic
-def _dot_mxfp4(typingctx, xe, xo, pk, sc, nj):
-    """x . W[r] for one row of 64 * nj bytes (no tail), the whole canonical order in
+def _dot_mxfp4(typingctx, xe, xo, xr, pk, sc, r, nj):
+    """x[xr] . W[r] for one row of 64 * nj bytes (no tail), the whole canonical order in
     registers: lanes from +0.0, the fused decode + 2 fma per step, the halving tree.
     The same bits as ``_zero`` + ``_vdot_mxfp4`` + ``_tree_sum``."""
-    if not (_f32_array(xe) and _f32_array(xo) and _u8_array(pk) and _u8_array(sc) and isinstance(nj, types.Integer)):
+    if not _row_args(xe, xo, xr, pk, sc, r, nj):
         return None
-    sig = types.float32(xe, xo, pk, sc, nj)
+    sig = types.float32(xe, xo, xr, pk, sc, r, nj)
 
     def codegen(context, builder, sig, args):
-        xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
-        n = context.cast(builder, args[4], sig.args[4], types.int64)
+        xep, xop, pp, sp, n = _row_ptrs(context, builder, sig, args)
         zero = ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
         return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx"))
 
@@ -310,11 +330,12 @@ W_PERM = _w_perm()
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row_bad(sc):
-    """Nonzero when a scale byte of the row is 0, 1, 253 or 254 (the row needs the
+def _row_bad(scale, r):
+    """Nonzero when a scale byte of row r is 0, 1, 253 or 254 (the row needs the
     byte-lane decode)."""
     bad = 0
-    for s in sc:
+    for i in range(scale.shape[1]):
+        s = scale[r, i]
         bad |= (s < 2) | ((s > 252) & (s != 255))
     return bad
 
@@ -372,20 +393,19 @@ def _w_tree_ir(builder, parts):
 
 
 @intrinsic
-def _dot_mxfp4_w(typingctx, xe, xo, pk, sc, nj):
+def _dot_mxfp4_w(typingctx, xe, xo, xr, pk, sc, r, nj):
     """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, a row
     for which ``_row_bad`` is 0. Only on the AVX2 path (elsewhere it compiles to nothing
     and is never called)."""
-    if not (_f32_array(xe) and _f32_array(xo) and _u8_array(pk) and _u8_array(sc) and isinstance(nj, types.Integer)):
+    if not _row_args(xe, xo, xr, pk, sc, r, nj):
         return None
-    sig = types.float32(xe, xo, pk, sc, nj)
+    sig = types.float32(xe, xo, xr, pk, sc, r, nj)
 
     def codegen(context, builder, sig, args):
         I64, F32 = ir.IntType(64), ir.FloatType()
         if not _W16:
             return ir.Constant(F32, 0.0)
-        xep, xop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
-        n = context.cast(builder, args[4], sig.args[4], types.int64)
+        xep, xop, pp, sp, n = _row_ptrs(context, builder, sig, args)
 
         def body(j, acc):
             _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
@@ -679,10 +699,10 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
             r0 = (b - starts[g]) * rb1
             if pm == P:                               # no tail: the whole row in registers
                 for r in range(r0, min(R, r0 + rb1)):
-                    if _W16 and _row_bad(scale[r]) == 0:
-                        out[off + r] = _dot_mxfp4_w(xep[x0], xop[x0], packed[r], scale[r], nj)
+                    if _W16 and _row_bad(scale, r) == 0:
+                        out[off + r] = _dot_mxfp4_w(xep, xop, x0, packed, scale, r, nj)
                     else:
-                        out[off + r] = _dot_mxfp4(xe0, xo0, packed[r], scale[r], nj)
+                        out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj)
                 continue
             for r in range(r0, min(R, r0 + rb1)):
                 _zero(acc)
@@ -700,7 +720,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         acc = acc_all[tid]
         if T <= _NTF:                                     # a few tokens: decode in registers
             for r in range(nrb):                          # 1: this row by the AVX2 decode
-                wok[tid, r] = 1 if _W16 and pm == P and _row_bad(scale[r0 + r]) == 0 else 0
+                wok[tid, r] = 1 if _W16 and pm == P and _row_bad(scale, r0 + r) == 0 else 0
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
