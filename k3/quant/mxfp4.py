@@ -54,9 +54,10 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch, _prefetch, _tree_sum,
-                   _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, counted_loop, job_blocks, tree_sum_ir,
-                   grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V, _row_ptr, _inverse)
+from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
+                   _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
+                   counted_loop, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V,
+                   _row_ptr, _inverse)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -119,6 +120,7 @@ _scale_f32 = _u8_to_f32(_scale_bits_ir)
 
 
 _GPJ = LANES // 16  # scale groups per 64-byte step
+_U8_ONLY = (types.uint8,)
 
 
 def _half_scale_bits_ir(builder, s, vt):
@@ -255,9 +257,7 @@ def _row_args(xe, xo, xr, pk, sc, r, nj):
     """The argument types of the one-row dots: x's even / odd rows xr of 2-D float32 C
     arrays, row r of 2-D uint8 C arrays of packed / scale bytes, nj steps. Row indices,
     not row views: a view made per row costs reference counting calls per row."""
-    def arr2(t, dt):
-        return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
-    return (arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8) and sc == pk
+    return (c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY) and sc == pk
             and all(isinstance(t, types.Integer) for t in (xr, r, nj)))
 
 
@@ -429,10 +429,7 @@ def make_vdotn_w(max_nt):
     out[obase + t * ostride] = the halving tree of the lanes put back in order. Only on
     the AVX2 path (elsewhere it compiles to nothing and is never called)."""
     def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
-        def arr2(t, dt):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
-
-        if not (arr2(acc, types.float32) and arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8)
+        if not (c_matrix(acc, F32_ONLY) and c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY)
                 and sc == pk and _f32_array(out)):
             return None
         if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, r, j0, n, mode, obase, ostride)):
@@ -499,10 +496,7 @@ def make_vdotn_mxfp4(max_nt):
     decode (more work per byte than the multiply-adds of two tokens) is paid once per
     call instead of once per token, and no decoded copy goes through memory."""
     def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
-        def arr2(t, dt):
-            return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dt
-
-        if not (arr2(acc, types.float32) and arr2(xe, types.float32) and xo == xe and arr2(pk, types.uint8)
+        if not (c_matrix(acc, F32_ONLY) and c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY)
                 and sc == pk and _f32_array(out)):
             return None
         if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, r, j0, n, mode, obase, ostride)):
@@ -690,12 +684,6 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
         tid = get_thread_id()
         if T == 1:
-            sc3 = gv_all[tid]
-            acc = sc3[0]
-            te = sc3[1]
-            to = sc3[2]
-            xe0 = xe[x0]
-            xo0 = xo[x0]
             r0 = (b - starts[g]) * rb1
             if pm == P:                               # no tail: the whole row in registers
                 for r in range(r0, min(R, r0 + rb1)):
@@ -704,15 +692,20 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
                     else:
                         out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj)
                 continue
+            sc3 = gv_all[tid]                         # a tail: the row's bytes after its last whole step
+            acc = sc3[0]
+            te = sc3[1]
+            to = sc3[2]
+            xe0 = xe[x0]
+            xo0 = xo[x0]
             for r in range(r0, min(R, r0 + rb1)):
                 _zero(acc)
                 pk = packed[r]
                 sc = scale[r]
                 _vdot_mxfp4(acc, xe0, xo0, pk, sc, nj)
-                if pm < P:
-                    _decode_tail(pk, sc, te, to, pm, P)
-                    for i in range(P - pm):
-                        acc[i] = _fma(xo0[pm + i], to[i], _fma(xe0[pm + i], te[i], acc[i]))
+                _decode_tail(pk, sc, te, to, pm, P)
+                for i in range(P - pm):
+                    acc[i] = _fma(xo0[pm + i], to[i], _fma(xe0[pm + i], te[i], acc[i]))
                 out[off + r] = _tree_sum(acc)
             continue
         r0 = (b - starts[g]) * rb
