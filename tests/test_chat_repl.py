@@ -294,8 +294,10 @@ pexpect = pytest.importorskip("pexpect")
 
 
 def spawn(args, tmp_path):
+    # a fixed seed: chat samples by default, and a fresh seed can sample the end of the
+    # turn before the token count a test waits for (a CI run once ended an answer at 2 of 3)
     env = dict(os.environ, PYTHONPATH=str(ROOT), K3_CACHE=str(tmp_path / "cache"), TERM="dumb")
-    child = pexpect.spawn(sys.executable, ["-m", "k3", "chat", *args], cwd=str(ROOT), env=env, encoding="utf-8",
+    child = pexpect.spawn(sys.executable, ["-m", "k3", "chat", *args, "--seed", "11"], cwd=str(ROOT), env=env, encoding="utf-8",
                           timeout=60, dimensions=(40, 200))
     return child
 
