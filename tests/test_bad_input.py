@@ -1,6 +1,7 @@
 """Bad input ends in one clear message and a documented exit code, never a traceback
-or silent garbage. Driven through the real `k3` console entry (subprocess), since
-that is what a user sees."""
+or silent garbage. A few cases run the real `k3` console entry in a subprocess (what a
+user sees); the rest run the same ``main`` in this process (``k3_here``), since each
+fresh interpreter costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_truncated_shard(good, tmp_path):
     d = copy(good, tmp_path)
     s = shard(d, 1)
     os.truncate(s, s.stat().st_size - 100)
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name)
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name)
 
 
 def test_header_larger_than_file(good, tmp_path):
@@ -86,7 +87,7 @@ def test_header_larger_than_file(good, tmp_path):
     s = shard(d, 0)
     with open(s, "r+b") as f:
         f.write(struct.pack("<Q", s.stat().st_size * 2))
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name, "header")
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name, "header")
 
 
 def test_tensor_out_of_bounds(good, tmp_path):
@@ -103,7 +104,7 @@ def test_tensor_out_of_bounds(good, tmp_path):
     new = json.dumps(hdr, separators=(",", ":")).encode()
     new = new.ljust((len(new) + 7) // 8 * 8)
     s.write_bytes(struct.pack("<Q", len(new)) + new + data)
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 3, name)
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 3, name)
 
 
 def test_missing_tensor(good, tmp_path):
@@ -122,14 +123,14 @@ def test_missing_tensor(good, tmp_path):
     shutil.move(tmp / s.name, s)
     del idx["weight_map"][victim]
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 3, victim, "1 of 13 layers")
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 3, victim, "1 of 13 layers")
 
 
 def test_missing_shard(good, tmp_path):
     d = copy(good, tmp_path)
     s = shard(d, 0)
     s.unlink()
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name)
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 3, s.name)
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_experts", "full_attn_layers", "attn_res_block_size",
@@ -139,7 +140,7 @@ def test_missing_config_field(good, tmp_path, field):
     cfg = json.loads((d / "config.json").read_text())
     del cfg[field]
     (d / "config.json").write_text(json.dumps(cfg))
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 2, field, "config")
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 2, field, "config")
 
 
 @pytest.mark.parametrize("field,value,word", [
@@ -153,7 +154,7 @@ def test_mutated_config_field(good, tmp_path, field, value, word):
     cfg = json.loads((d / "config.json").read_text())
     cfg[field] = value
     (d / "config.json").write_text(json.dumps(cfg))
-    r = k3("run", d, "--ids", PROMPT, "--gen", 1)
+    r = k3_here("run", d, "--ids", PROMPT, "--gen", 1)
     assert r.returncode in (2, 3)
     assert_refused(r, r.returncode, word)
 
@@ -161,12 +162,12 @@ def test_mutated_config_field(good, tmp_path, field, value, word):
 def test_config_not_json(good, tmp_path):
     d = copy(good, tmp_path)
     (d / "config.json").write_text("{not json")
-    assert_refused(k3("run", d, "--ids", PROMPT, "--gen", 1), 2, "config.json", "json")
+    assert_refused(k3_here("run", d, "--ids", PROMPT, "--gen", 1), 2, "config.json", "json")
 
 
 def test_token_id_outside_vocab(good):
-    assert_refused(k3("run", good, "--ids", "1,2,256", "--gen", 1), 2, "256", "vocabulary")
-    assert_refused(k3("run", good, "--ids", "1,-3", "--gen", 1), 2, "-3")
+    assert_refused(k3_here("run", good, "--ids", "1,2,256", "--gen", 1), 2, "256", "vocabulary")
+    assert_refused(k3_here("run", good, "--ids", "1,-3", "--gen", 1), 2, "-3")
 
 
 def test_usage_errors(good):

@@ -9,6 +9,7 @@ decoder would produce, so we can show the fixture catches that bug).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,27 +312,53 @@ torch.save(outs, sys.argv[1])
 """
 
 
-def test_every_instruction_set_path_gives_the_same_bits(tmp_path):
-    """The kernels compile per path: MXFP4 nibbles decoded by byte shuffles (AVX-512BW,
-    AVX2) or plain vector arithmetic, register tiles of 16, 8 or 4 lanes (the BF16 tiles
-    in a lane order of their own): each path forced in a fresh process (its own numba
-    cache: compiled code is cached per CPU, not per path) gives the same bits."""
-    import os
-    import subprocess
-    import sys
-
+def _isa_paths() -> tuple[list[str], str]:
+    """(every kernel path this CPU can run, the path this process compiled)."""
     import llvmlite.binding as ll
     feats = ll.get_host_cpu_features()
     paths = ["generic"] + (["avx2"] if feats.get("avx2") else []) + \
         (["avx512"] if feats.get("avx2") and feats.get("avx512bw") else [])
     from k3.quant.bf16 import _ISA as native_isa
-    procs = {}        # the other paths compile in fresh processes, all at once and beside this one
+    return paths, native_isa
+
+
+def start_other_paths(folder: Path) -> dict:
+    """Start one fresh process per path other than this process's own, each compiling the
+    kernels for its path into a cache of its own under ``folder`` and writing its
+    results there. conftest.py calls this once the session's tests are collected, so the
+    compiles (a minute or more each) run on the other core while the first tests run;
+    the test starts them itself when it runs alone."""
+    import os
+    import subprocess
+    import sys
+
+    paths, native_isa = _isa_paths()
+    procs = {}
     for isa in paths:
         if isa == native_isa:     # no second compile of the path this process already has
             continue
-        env = dict(os.environ, K3_KERNEL_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / f"cache-{isa}"))
-        procs[isa] = subprocess.Popen([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / f"{isa}.pt")], env=env,
+        env = dict(os.environ, K3_KERNEL_ISA=isa, NUMBA_CACHE_DIR=str(folder / f"cache-{isa}"))
+        procs[isa] = subprocess.Popen([sys.executable, "-c", _ISA_SCRIPT, str(folder / f"{isa}.pt")], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return procs
+
+
+#: (folder, processes) started by conftest.py after collection; None: not started
+EARLY_PATHS = None
+
+
+def test_every_instruction_set_path_gives_the_same_bits(tmp_path):
+    """The kernels compile per path: MXFP4 nibbles decoded by byte shuffles (AVX-512BW,
+    AVX2) or plain vector arithmetic, register tiles of 16, 8 or 4 lanes (the BF16 tiles
+    in a lane order of their own): each path forced in a fresh process (its own numba
+    cache: compiled code is cached per CPU, not per path) gives the same bits."""
+    import sys
+
+    paths, native_isa = _isa_paths()
+    if EARLY_PATHS is not None:
+        folder, procs = EARLY_PATHS
+    else:
+        folder, procs = tmp_path, start_other_paths(tmp_path)
     try:
         # this process's kernels (the native path, from the shared cache)
         native = tmp_path / "native.pt"
@@ -349,7 +376,7 @@ def test_every_instruction_set_path_gives_the_same_bits(tmp_path):
         for isa, p in procs.items():
             _, err = p.communicate(timeout=600)
             assert p.returncode == 0, err[-2000:]
-            got[isa] = torch.load(tmp_path / f"{isa}.pt")
+            got[isa] = torch.load(folder / f"{isa}.pt")
             assert got[isa][0] == isa
     finally:                      # nothing left running if this process fails or times out
         for q in procs.values():
