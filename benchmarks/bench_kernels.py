@@ -2,7 +2,8 @@
 
 Arms, for every shape and token count T:
   MXFP4 experts (w1/w3 [3072, 3584], w2 [3584, 3072]):
-    mxfp4_linear           fused decode + matmul (the kernel)
+    mxfp4_linear           fused decode + matmul (the kernel; called as the model calls it,
+                           mxfp4_grouped on an Mxfp4Weight)
     decode+torch           decode_mxfp4 to an fp32 matrix, then torch x @ W.T (unfused)
   BF16 trunk ([12288, 7168], [7168, 12288]):
     bf16_linear            fused widen + matmul (the kernel)
@@ -14,7 +15,12 @@ GB/s = weight bytes / seconds (MXFP4: packed + scale bytes; BF16: 2 bytes/elemen
 same definition for every arm. GFMA/s = T * rows * cols / seconds.
 MXFP4 arms cycle through 8 distinct random experts (46 MB > the 32 MB L3), so each call
 reads weights that are not cache-hot, as in real decode; the BF16 matrices (176 MB) are
-never cache-resident anyway. Weights are random (MXFP4 scale bytes 112..122 as in K3).
+never cache-resident anyway. Weights are random (MXFP4 scale bytes 112..122 as in K3),
+held as the engine holds them (``k3.checkpoint.io.aligned_empty(..., huge=True)``: 2 MiB
+aligned, transparent huge pages where the system allows them; MXFP4 as Mxfp4Weight
+objects, whose checked descriptors are kept as in decode); ``--torch-weights`` holds
+them in plain torch tensors instead (small pages; MXFP4 as bare tuples, checked every
+call), as runs before 2026-12-02 did.
 
 Method: threads pinned (numba and torch) to --threads (default 2); every arm is warmed
 up first (numba compile / cache load excluded from timings and reported separately);
@@ -51,7 +57,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numba  # noqa: E402
 
 from benchlib import cpu_flags  # noqa: E402
-from k3.quant import bf16_linear, decode_mxfp4, mxfp4_linear, set_num_threads  # noqa: E402
+from k3.checkpoint.io import aligned_empty  # noqa: E402
+from k3.model.weights import Mxfp4Weight  # noqa: E402
+from k3.quant import bf16_linear, decode_mxfp4, mxfp4_grouped, mxfp4_linear, set_num_threads  # noqa: E402
 
 MX_SHAPES = [("w1/w3", 3072, 3584), ("w2", 3584, 3072)]
 BF_SHAPES = [("q/kv-like", 12288, 7168), ("o/down-like", 7168, 12288)]
@@ -194,6 +202,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=str, default=None, help="comma list of T (default 1,4,16,64)")
     ap.add_argument("--only", choices=["mxfp4", "bf16"], default=None)
+    ap.add_argument("--torch-weights", action="store_true",
+                    help="weights in plain torch tensors (small pages), not where the engine holds them")
     ap.add_argument("--tsv", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.tsv")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 5)
@@ -237,6 +247,18 @@ def main(argv=None):
     print(f"# probes: memory read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5); fp32 FMA peak "
           f"{peak:.1f} GFMA/s ({how}, best of 3)", flush=True)
 
+    def placed(a):
+        """a (numpy or torch) copied to where the engine would hold it (module doc)."""
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+        if args.torch_weights:
+            return t.clone()
+        buf = aligned_empty(t.numel() * t.element_size(), huge=True)
+        out = torch.from_numpy(buf).view(t.dtype).reshape(t.shape)
+        out.copy_(t)
+        return out
+
+    print(f"# weights: {'plain torch tensors' if args.torch_weights else 'as the engine holds them (huge pages)'}",
+          flush=True)
     args.tsv.parent.mkdir(parents=True, exist_ok=True)
     new = not args.tsv.exists()
     rows = []
@@ -246,14 +268,15 @@ def main(argv=None):
             tsv.write("run\tkernel\tarm\tshape\tRxC\tT\trep\tseconds\tweight_bytes\tGBps\tthreads\tload1\n")
         if args.only in (None, "mxfp4"):
             for name, R, C in mx_shapes:
-                experts = [(torch.from_numpy(rng.integers(0, 256, (R, C // 2), dtype=np.uint8)),
-                            torch.from_numpy(rng.integers(112, 123, (R, C // 32), dtype=np.uint8)))
+                experts = [(placed(rng.integers(0, 256, (R, C // 2), dtype=np.uint8)),
+                            placed(rng.integers(112, 123, (R, C // 32), dtype=np.uint8)))
                            for _ in range(N_EXPERTS)]
                 wbytes = experts[0][0].numel() + experts[0][1].numel()
+                held = experts if args.torch_weights else [Mxfp4Weight(*e) for e in experts]
                 for T in tokens:
                     x = torch.randn(T, C)
                     arms = [
-                        ("mxfp4_linear", lambda i: mxfp4_linear(x, *experts[i % N_EXPERTS])),
+                        ("mxfp4_linear", lambda i: mxfp4_grouped(x, [held[i % N_EXPERTS]]).view(T, R)),
                         ("decode+torch", lambda i: x @ decode_mxfp4(*experts[i % N_EXPERTS]).T),
                     ]
                     run_case("mxfp4", name, R, C, T, arms, wbytes, reps, rows, tsv, run_id)
@@ -261,7 +284,7 @@ def main(argv=None):
                 del experts
         if args.only in (None, "bf16"):
             for name, N, K in bf_shapes:
-                w = (torch.randn(N, K) * 0.02).to(torch.bfloat16)
+                w = placed((torch.randn(N, K) * 0.02).to(torch.bfloat16))
                 wbytes = w.numel() * 2
                 for T in tokens:
                     x = torch.randn(T, K)

@@ -724,3 +724,37 @@ def test_index_on_many_tensors_is_quick(tmp_path):
     random.seed(0)
     name = random.choice(ix.names())
     assert ix.get(name).file == str(p)
+
+
+def _vma_flags(addr: int) -> list[str]:
+    """VmFlags of this process's mapping holding ``addr`` (from /proc/self/smaps)."""
+    cur = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                cur = lo <= addr < hi
+            elif head == "VmFlags:" and cur:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("nbytes", [(2 << 20) - 1, 2 << 20, (5 << 20) + 12345])
+def test_aligned_empty_huge(nbytes, monkeypatch):
+    """Weights get 2 MiB-aligned buffers whose whole 2 MiB pages (only those: a tail
+    must not fault a huge page's worth of memory in) are advised as huge pages."""
+    from k3.checkpoint.io import HUGE
+    monkeypatch.delenv("K3_NOHUGE", raising=False)
+    a = aligned_empty(nbytes, huge=True)
+    assert a.shape == (nbytes,) and a.ctypes.data % ALIGN == 0
+    a[:] = 7
+    if nbytes < HUGE:
+        return
+    assert a.ctypes.data % HUGE == 0
+    if not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        pytest.skip("this kernel has no transparent huge pages")
+    whole = nbytes // HUGE * HUGE
+    assert "hg" in _vma_flags(a.ctypes.data) and "hg" in _vma_flags(a.ctypes.data + whole - 1)
+    if whole < nbytes:
+        assert "hg" not in _vma_flags(a.ctypes.data + whole)

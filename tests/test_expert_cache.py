@@ -23,7 +23,6 @@ from k3.checkpoint.safetensors import read_header
 from k3.errors import K3Error, ReadError, UsageError
 from k3.memory import planner
 from k3.memory.cache_sim import load_trace
-import k3.memory.expert_cache as ec
 from k3.memory.expert_cache import ExpertCache, _span_of, expert_slot_bytes, locate_expert
 from k3.memory.planner import expert_cache_slots
 from k3.memory.streaming import model_sizes
@@ -287,10 +286,13 @@ def test_non_contiguous_expert_falls_back_to_tensor_reads(truth):
 
 
 def test_hugepage_arena_path(lay, truth, monkeypatch):
-    monkeypatch.setattr(ec, "_HUGE", 8192)  # slots of 8192 bytes take the mmap + madvise path
+    import mmap
+
+    from k3.checkpoint import io
+    monkeypatch.setattr(io, "HUGE", 8192)  # a small arena takes the mmap + madvise path
     monkeypatch.delenv("K3_NOHUGE", raising=False)
     with cache(lay, 6) as c:
-        assert c._mmap is not None and c._arena.ctypes.data % 8192 == 0
+        assert isinstance(c._arena.base.base.obj, mmap.mmap) and c._arena.ctypes.data % 8192 == 0
         for g in range(0, 24, 5):
             check(c.experts(0, list(range(g, min(g + 5, 24)))), truth)
 

@@ -26,6 +26,7 @@ may also override ``_pread_once``.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 from typing import Callable, Union
@@ -33,6 +34,7 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import ReadError
 from ..units import ALIGN
 
@@ -77,16 +79,49 @@ ReadHook = Callable[[str, int, int, bool], Union[int, None]]
 Source = Union[TensorInfo, tuple]
 
 
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
-    """Uninitialised 1-D uint8 array of ``nbytes`` whose data pointer is ``align``-aligned."""
+#: a transparent huge page (x86-64)
+HUGE = 2 << 20
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN, huge: bool = False) -> np.ndarray:
+    """Uninitialised 1-D uint8 array of ``nbytes`` whose data pointer is ``align``-aligned.
+
+    ``huge``: a buffer of at least 2 MiB that a kernel will stream (weights) is also
+    2 MiB-aligned and its whole 2 MiB pages advised as transparent huge pages (one TLB
+    entry per 2 MiB instead of 512; unless K3_NOHUGE is set or the system has them
+    off). The tail after the last whole 2 MiB stays in small pages, so the buffer never
+    makes more than its own bytes resident."""
     if align <= 0 or align & (align - 1):
         raise ValueError(f"alignment must be a power of two, got {align}")
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if huge and nbytes >= HUGE and align <= HUGE and env.hugepages():
+        buf = _huge_empty(nbytes)
+        if buf is not None:
+            return buf
     raw = np.empty(nbytes + align, dtype=np.uint8)
     lead = (-raw.ctypes.data) % align
     # (slice one byte first: numpy would not move the pointer of an empty slice)
     return raw[lead : lead + max(nbytes, 1)][:nbytes]  # keeps `raw` alive through .base
+
+
+def _huge_empty(nbytes: int) -> np.ndarray | None:
+    """``nbytes`` of anonymous memory at a 2 MiB boundary, its whole 2 MiB pages advised
+    MADV_HUGEPAGE; None when the mapping fails (the caller falls back to np.empty). The
+    array keeps the mapping alive; pages become resident when first written."""
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, AttributeError):
+        return None
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    lead = (-buf.ctypes.data) % HUGE
+    whole = nbytes // HUGE * HUGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE, lead, whole)
+        except (OSError, ValueError):
+            pass
+    return buf[lead:lead + nbytes]
 
 
 def direct_span(offset: int, nbytes: int, align: int = ALIGN) -> tuple[int, int, int]:
@@ -313,8 +348,8 @@ class ShardFiles:
                 raise ValueError("read_direct needs offset and nbytes unless given a TensorInfo")
         a = self.align
         start, length, lead = direct_span(offset, nbytes, a)
-        if out is None:
-            out = aligned_empty(length, a)
+        if out is None:     # a tensor that will live here: weights, streamed by the kernels
+            out = aligned_empty(length, a, huge=True)
         else:
             if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
                 raise ValueError("read_direct target must be a contiguous 1-D uint8 numpy array")

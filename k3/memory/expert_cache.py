@@ -40,7 +40,6 @@ read_seconds (wall time of the parallel read phase) and retention = requests - e
 from __future__ import annotations
 
 import json
-import mmap
 import threading
 import time
 import weakref
@@ -54,7 +53,6 @@ from typing import NamedTuple, Protocol, Sequence
 import numpy as np
 import torch
 
-from .. import env
 from ..checkpoint.io import TORCH_DTYPES, ShardFiles, aligned_empty, direct_span
 from ..checkpoint.safetensors import TensorInfo
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
@@ -71,7 +69,6 @@ __all__ = [
 
 #: placement of tensors inside a slot when an expert is read tensor by tensor
 PART_ALIGN = 64
-_HUGE = 2 << 20
 _WEIGHTS = ("w1", "w2", "w3")
 
 
@@ -210,27 +207,6 @@ def expert_slot_bytes(layout: ExpertSource) -> int:
     return slot
 
 
-def _alloc_arena(nbytes: int, huge: bool) -> tuple[np.ndarray, object]:
-    """A writable 4096-aligned uint8 arena (2 MiB aligned + MADV_HUGEPAGE when ``huge``).
-
-    Anonymous memory: pages become resident when a slot is first filled."""
-    if huge and env.hugepages():
-        try:
-            mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except (OSError, ValueError, AttributeError):
-            mm = None
-        if mm is not None:
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
-                    mm.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
-            buf = np.frombuffer(mm, dtype=np.uint8)
-            lead = (-buf.ctypes.data) % _HUGE
-            return buf[lead:lead + nbytes], mm
-    return aligned_empty(nbytes), None
-
-
 # --------------------------------------------------------------------- statistics
 _COUNTERS = ("requests", "hits", "misses", "evictions", "reads", "failed_reads",
              "scattered_reads", "bytes_read", "io_bytes")
@@ -284,8 +260,9 @@ class ExpertCache:
         self.io_threads = int(io_threads)
         self._own_reader = reader is None
         self.reader = reader if reader is not None else ShardFiles()
-        self._arena, self._mmap = _alloc_arena(self._n_slots * self._slot_bytes,
-                                               huge=self._slot_bytes >= _HUGE)
+        # (huge pages: fewer TLB misses while a kernel streams an expert; slots are filled
+        # on first use, so pages become resident as the cache fills)
+        self._arena = aligned_empty(self._n_slots * self._slot_bytes, huge=True)
         n = self._n_slots
         self._key_of: list = [None] * n          # None = EMPTY, _INFLIGHT, or (layer, e)
         self._weights: list = [None] * n         # ExpertWeights of a published slot

@@ -140,7 +140,7 @@ class TrunkStreamer:
         self.reader = reader if reader is not None else ShardFiles()
         self._pinned = set(self.plan.pinned)
         self._arena_bytes = self.plan.arena_bytes
-        self._arena = aligned_empty(self._arena_bytes) if self._arena_bytes else None
+        self._arena = aligned_empty(self._arena_bytes, huge=True) if self._arena_bytes else None
         # (off, end) of each layer's tensors in run order: where a wrap may split it
         self._bounds = [sorted((t.off, t.off + t.nbytes) for t in packed.layers[i].tensors.values())
                         for i in range(self.n)]
@@ -225,7 +225,7 @@ class TrunkStreamer:
                     continue
                 L = self.packed.layers[j]
                 try:
-                    buf = aligned_empty(L.nbytes)
+                    buf = aligned_empty(L.nbytes, huge=True)
                 except MemoryError:
                     inst = _Inst(j, True, None, [], self.chunk_bytes)
                     inst.error = K3Error(
