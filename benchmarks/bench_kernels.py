@@ -19,8 +19,9 @@ never cache-resident anyway. Weights are random (MXFP4 scale bytes 112..122 as i
 held as the engine holds them (``k3.checkpoint.io.aligned_empty(..., huge=True)``: 2 MiB
 aligned, transparent huge pages where the system allows them; MXFP4 as Mxfp4Weight
 objects, whose checked descriptors are kept as in decode); ``--torch-weights`` holds
-them in plain torch tensors instead (small pages; MXFP4 as bare tuples, checked every
-call), as runs before 2026-12-02 did.
+them in plain torch tensors instead (small pages: torch never advises huge ones; MXFP4
+as bare tuples, checked every call). Runs before 2026-12-02 held the BF16 matrices that
+way and the MXFP4 experts in numpy arrays (which numpy advises as huge pages, unaligned).
 
 Method: threads pinned (numba and torch) to --threads (default 2); every arm is warmed
 up first (numba compile / cache load excluded from timings and reported separately);

@@ -261,7 +261,7 @@ class ExpertCache:
         self._own_reader = reader is None
         self.reader = reader if reader is not None else ShardFiles()
         # (huge pages: fewer TLB misses while a kernel streams an expert; slots are filled
-        # on first use, so pages become resident as the cache fills)
+        # on first use, so the arena becomes resident as the cache fills, 2 MiB at a time)
         self._arena = aligned_empty(self._n_slots * self._slot_bytes, huge=True)
         n = self._n_slots
         self._key_of: list = [None] * n          # None = EMPTY, _INFLIGHT, or (layer, e)
