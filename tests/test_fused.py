@@ -212,6 +212,72 @@ def test_in_place_activation_chains(threads):
         assert same(ops.silu_glu(x, u), ref_silu(x) * u)
 
 
+def test_output_gate(threads):
+    g = torch.Generator().manual_seed(4)
+    o = torch.randn(3, 500, generator=g) * 5.0
+    z = torch.randn(3, 500, generator=g) * 30.0
+    z.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+    assert same(ops.gate(o, z), o * ref_sigmoid(z))
+    assert same(ops.gate(o[:, :7], z[:, 1:8]), o[:, :7] * ref_sigmoid(z[:, 1:8]))  # strided views
+
+
+def ref_route(logits, bias, k, renorm, scale):
+    """moe.route before the fusion, verbatim: a stable descending sort of the biased
+    scores, a gather, torch's sum."""
+    scores = ref_sigmoid(logits)
+    biased = scores + bias.to(torch.float32).reshape(1, -1) if bias is not None else scores
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :k]
+    wts = torch.gather(scores, 1, ids)
+    if renorm:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+    return ids, wts * scale
+
+
+@pytest.mark.parametrize("E,k", [(32, 8), (100, 1), (896, 16), (16, 16)])
+def test_route_topk_equals_the_sort(E, k):
+    g = torch.Generator().manual_seed(E + k)
+    for T in (1, 5):
+        logits = torch.randn(T, E, generator=g) * 3.0
+        logits[:, ::3] = torch.round(logits[:, ::3])       # ties: equal keys keep the lowest id first
+        if T > 1:
+            logits[1, :] = 0.5                             # a row of nothing but ties
+            logits[2, 5] = float("nan")                    # NaN sorts above every number
+        for bias in (None, torch.randn(E, generator=g) * 0.1, (torch.randn(E, generator=g) * 0.1).to(torch.bfloat16),
+                     torch.zeros(E)):
+            for renorm, scale in ((True, 2.5), (False, 1.0), (True, 1.0)):
+                ids, wts = fused.route_topk(logits, bias, k, renorm, scale)
+                rids, rwts = ref_route(logits, bias, k, renorm, scale)
+                assert ids.dtype == torch.int64 and torch.equal(ids, rids), (T, bias, renorm)
+                assert same(wts, rwts)
+
+
+def ref_kda_decay(u, a_log, dt_bias, n_heads, lower_bound):
+    """kda.kda_decay before the fusion, verbatim (its softplus with log1p(y) as
+    log(1 + y) * y / ((1 + y) - 1))."""
+    T = u.shape[0]
+    a = a_log.to(torch.float32).reshape(-1)[:n_heads]
+    x = (u + dt_bias.to(torch.float32).reshape(-1)).reshape(T, n_heads, -1)
+    A = torch.exp(a).reshape(1, n_heads, 1)
+    if lower_bound is not None:
+        return lower_bound * ref_sigmoid(A * x)
+    y = torch.exp(torch.clamp(x, max=20.0))
+    v = 1.0 + y
+    lp = torch.where(v == 1.0, y, torch.log(v) * y / (v - 1.0))
+    return -A * torch.where(x > 20.0, x, lp)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_kda_decay(T, threads):
+    g = torch.Generator().manual_seed(T)
+    H, dk = 3, 40
+    u = torch.randn(T, H * dk, generator=g) * 8.0
+    u[0, :10] = torch.tensor([-60.0, -25.0, -5.0, 0.0, 5.0, 19.9, 20.0, 20.1, 60.0, float("inf")])
+    for a_log in (torch.randn(H, generator=g), torch.randn(128, generator=g).to(torch.bfloat16)):  # K3 pads A_log
+        for dt_bias in (torch.randn(H * dk, generator=g), torch.randn(H * dk, generator=g).to(torch.bfloat16)):
+            for lb in (-5.0, None):
+                assert same(kda.kda_decay(u, a_log, dt_bias, H, lb), ref_kda_decay(u, a_log, dt_bias, H, lb))
+
+
 def ref_sumsq(x):
     """fp64 sum of squares over the last dim in norm_rows' documented order: eight
     lanes (lane l: elements i = l mod 8, ascending, from +0.0), then a fixed tree."""

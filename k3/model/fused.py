@@ -52,38 +52,6 @@ def weighted_sum(c: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
 
 
 @njit(cache=True, nogil=True)
-def _short_conv(x, w, state, out, new_state):
-    T, C = x.shape
-    K = w.shape[1]
-    H = K - 1
-    for t in range(T):
-        for c in range(C):
-            a = np.float32(0.0)
-            for j in range(K):                      # z = cat(state, x); z[t + j] * w[:, j]
-                s = t + j
-                a = a + (state[s, c] if s < H else x[s - H, c]) * w[c, j]
-            out[t, c] = a
-    for i in range(H):                              # the last K-1 rows of z
-        s = T + i
-        for c in range(C):
-            new_state[i, c] = state[s, c] if s < H else x[s - H, c]
-
-
-def short_conv_sum(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, out: torch.Tensor):
-    """The causal depthwise conv of ``k3.model.ops.short_conv`` before its SiLU, written
-    into ``out`` [T, C] (a view, e.g. columns of a wider buffer): out[t] = sum over
-    j = 0..K-1 of z[t + j] * w[:, j], z = cat(state, x), summed from +0.0 in that
-    order. x [T, C]; w fp32 [C, K]; state [K-1, C] or None (zeros). Returns the new
-    state [K-1, C] (the last K-1 rows of z)."""
-    T, C = x.shape
-    K = w.shape[1]
-    st = np.zeros((K - 1, C), np.float32) if state is None else state.numpy()
-    new_state = np.empty((K - 1, C), np.float32)
-    _short_conv(x.numpy(), w.numpy(), st, out.numpy(), new_state)
-    return torch.from_numpy(new_state)
-
-
-@njit(cache=True, nogil=True)
 def _all_finite(x):
     for i in range(x.size):
         v = x[i]
@@ -474,3 +442,340 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
         _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
              -1 if causal is None else causal, causal is not None, out, a, b)
     return torch.from_numpy(out)
+
+
+# ------------------------------------------------------------------ gates, GLUs, router
+# exp and tanh stay with torch (its vectorised exp / tanh give bits numba's libm does
+# not, and a position-independent result, k3.model.ops), so a chain around them is one
+# compiled pass that writes their arguments side by side in one buffer, one torch call
+# per function over its part of that buffer, and one compiled pass that combines the
+# results: the same IEEE operations in the same order per element as the torch chain
+# (numba rounds every float32 operation; the scalars are passed as float32, as torch
+# casts a Python number to the tensor's dtype), at a fraction of its dispatches.
+
+@njit(cache=True, nogil=True)
+def _neg(x, out):
+    for i in range(x.size):
+        out[i] = -x[i]
+
+
+@njit(cache=True, nogil=True)
+def _sigmoid_post(e, out):
+    one = np.float32(1.0)
+    for i in range(e.size):
+        out[i] = one / (e[i] + one)
+
+
+@njit(cache=True, nogil=True)
+def _silu_post(x, e, out):
+    one = np.float32(1.0)
+    for i in range(x.size):
+        out[i] = x[i] / (e[i] + one)
+
+
+@njit(cache=True, nogil=True)
+def _silu_glu_post(g, e, u, out):
+    one = np.float32(1.0)
+    for i in range(g.size):
+        out[i] = (g[i] / (e[i] + one)) * u[i]
+
+
+@njit(cache=True, nogil=True)
+def _gate_post(o, e, out):
+    one = np.float32(1.0)
+    for i in range(o.size):
+        out[i] = o[i] * (one / (e[i] + one))
+
+
+@njit(cache=True, nogil=True)
+def _situ_pre(g, u, beta, lb, has_lb, buf):
+    n = g.size
+    for i in range(n):
+        buf[i] = g[i] / beta
+        buf[2 * n + i] = -g[i]
+    if has_lb:
+        for i in range(n):
+            buf[n + i] = u[i] / lb
+
+
+@njit(cache=True, nogil=True)
+def _situ_post(buf, u, beta, lb, has_lb, out):
+    n = out.size
+    one = np.float32(1.0)
+    for i in range(n):
+        a = (buf[i] * beta) * (one / (buf[2 * n + i] + one))
+        out[i] = a * (buf[n + i] * lb if has_lb else u[i])
+
+
+def _flat(x: torch.Tensor) -> np.ndarray:
+    """x's elements as a 1-D float32 numpy array (a view when x is contiguous)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the fused activations take float32, got {x.dtype}")
+    return (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
+
+
+def _exp_neg(xn: np.ndarray) -> np.ndarray:
+    """exp(-x) for a flat float32 array: the negation compiled, torch's exp in place."""
+    e = np.empty_like(xn)
+    _neg(xn, e)
+    torch.from_numpy(e).exp_()
+    return e
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) per element: -x, torch's exp, + 1, 1 / that (in that order)."""
+    xn = _flat(x)
+    out = np.empty_like(xn)
+    _sigmoid_post(_exp_neg(xn), out)
+    return torch.from_numpy(out).view(x.shape)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) per element."""
+    xn = _flat(x)
+    out = np.empty_like(xn)
+    _silu_post(xn, _exp_neg(xn), out)
+    return torch.from_numpy(out).view(x.shape)
+
+
+def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(z) per element (o and z of one shape): an output gate."""
+    on, zn = _flat(o), _flat(z)
+    if on.size != zn.size:
+        raise ValueError(f"gate: {tuple(o.shape)} and {tuple(z.shape)} differ")
+    out = np.empty_like(on)
+    _gate_post(on, _exp_neg(zn), out)
+    return torch.from_numpy(out).view(o.shape)
+
+
+def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u per element (g and u of one shape)."""
+    gn, un = _flat(g), _flat(u)
+    out = np.empty_like(gn)
+    _silu_glu_post(gn, _exp_neg(gn), un, out)
+    return torch.from_numpy(out).view(g.shape)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))
+    per element (the last factor u itself when linear_beta is None), each operation
+    rounded in that order; g / beta and u / linear_beta go through one torch tanh, -g
+    through one torch exp."""
+    gn, un = _flat(g), _flat(u)
+    n = gn.size
+    has_lb = linear_beta is not None
+    b, lb = np.float32(beta), np.float32(linear_beta if has_lb else 1.0)
+    buf = np.empty(3 * n, np.float32)
+    _situ_pre(gn, un, b, lb, has_lb, buf)
+    tb = torch.from_numpy(buf)
+    tb[:2 * n if has_lb else n].tanh_()
+    tb[2 * n:].exp_()
+    out = np.empty_like(gn)
+    _situ_post(buf, un, b, lb, has_lb, out)
+    return torch.from_numpy(out).view(g.shape)
+
+
+@njit(cache=True, nogil=True)
+def _greater(a, b):
+    """The order of torch's descending sort: NaN above every number, -0.0 equal to +0.0."""
+    return a > b or (a != a and b == b)
+
+
+@njit(cache=True, nogil=True)
+def _route_topk(e, bias, k, ids, wts):
+    T, E = e.shape
+    one = np.float32(1.0)
+    has_bias = bias.shape[0] > 0
+    s = np.empty(E, np.float32)
+    key = np.empty(E, np.float32)
+    for t in range(T):
+        for i in range(E):
+            s[i] = one / (e[t, i] + one)                   # the sigmoid
+            key[i] = s[i] + bias[i] if has_bias else s[i]
+        n = 0                                             # ids[t, :n] sorted, stable
+        for i in range(E):
+            if n == k and not _greater(key[i], key[ids[t, k - 1]]):
+                continue
+            p = min(n, k - 1)                             # insert after every key >= this one
+            while p > 0 and _greater(key[i], key[ids[t, p - 1]]):
+                ids[t, p] = ids[t, p - 1]
+                p -= 1
+            ids[t, p] = i
+            n = min(n + 1, k)
+        for j in range(k):
+            wts[t, j] = s[ids[t, j]]
+
+
+@njit(cache=True, nogil=True)
+def _route_scale(wts, total, renorm, scale):
+    T, k = wts.shape
+    tiny = np.float32(1e-20)
+    for t in range(T):
+        d = total[t, 0] + tiny
+        for j in range(k):
+            wts[t, j] = (wts[t, j] / d if renorm else wts[t, j]) * scale
+
+
+def _f32_vector(b: torch.Tensor) -> np.ndarray:
+    return b.reshape(-1).to(torch.float32).numpy()
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: bool, scale: float):
+    """The sigmoid router's choice (k3.model.moe.route) from the router logits [T, E]:
+    scores = sigmoid(logits); the k largest of scores + bias (fp32, as stored widened)
+    in descending order, equal keys in ascending expert id (a stable descending sort;
+    NaN above every number, as torch sorts); their unbiased scores, divided by (their
+    sum + 1e-20) when ``renorm`` (the sum torch's, over the k in that order), times
+    ``scale``. Returns (ids [T, k] int64, weights [T, k] float32)."""
+    T, E = logits.shape
+    if not 0 < k <= E:
+        raise ValueError(f"route_topk: k = {k} experts of {E}")
+    e = _exp_neg(_flat(logits)).reshape(T, E)
+    bn = _NO_GAIN if bias is None else described(bias, _f32_vector)
+    if bn.shape[0] not in (0, E):
+        raise ValueError(f"route_topk: bias of {bn.shape[0]} experts, logits of {E}")
+    ids = np.empty((T, k), np.int64)
+    wts = np.empty((T, k), np.float32)
+    _route_topk(e, bn, k, ids, wts)
+    w = torch.from_numpy(wts)
+    total = w.sum(-1, keepdim=True).numpy() if renorm else wts[:, :1]
+    _route_scale(wts, total, renorm, np.float32(scale))
+    return torch.from_numpy(ids), w
+
+
+# ------------------------------------------------------------------ KDA's conv and decay
+@njit(cache=True, nogil=True)
+def _short_convs(xs, ws, states, acc, neg, news):
+    off = 0
+    for s in range(len(xs)):
+        x, w, state, new_state = xs[s], ws[s], states[s], news[s]
+        T, C = x.shape
+        K = w.shape[1]
+        H = K - 1
+        for t in range(T):
+            for c in range(C):
+                a = np.float32(0.0)
+                for j in range(K):                  # z = cat(state, x); z[t + j] * w[:, j]
+                    p = t + j
+                    a = a + (state[p, c] if p < H else x[p - H, c]) * w[c, j]
+                acc[t, off + c] = a
+                neg[t, off + c] = -a
+        for i in range(H):                          # the last K-1 rows of z
+            p = T + i
+            for c in range(C):
+                new_state[i, c] = state[p, c] if p < H else x[p - H, c]
+        off += C
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    if x.dtype != torch.float32:
+        raise ValueError(f"expected float32 activations, got {x.dtype}")
+    return (x if x.is_contiguous() else x.contiguous()).numpy()
+
+
+def _conv_taps(w: torch.Tensor) -> np.ndarray:
+    return w.to(torch.float32).reshape(w.shape[0], -1).numpy()
+
+
+def short_convs_silu(xs, ws, states):
+    """Causal depthwise conv + SiLU of streams xs (k3.model.ops.short_convs): per stream
+    x [T, C], taps w [C, 1, K] (fp32 as stored or widened), state [K-1, C] or None
+    (zeros). out[t] = silu(sum over j < K of z[t + j] * w[:, j]), z = cat(state, x),
+    the sum from +0.0 in that order, each product rounded; silu(a) = a / (exp(-a) + 1)
+    with torch's exp, one call for every stream. Returns ([out [T, C]], [new_state
+    [K-1, C] = the last K-1 rows of z])."""
+    T = xs[0].shape[0]
+    cs = [x.shape[1] for x in xs]
+    wn = tuple(described(w, _conv_taps) for w in ws)
+    sn = tuple(np.zeros((wk.shape[1] - 1, c), np.float32) if st is None else _rows(st)
+               for wk, st, c in zip(wn, states, cs))
+    news = tuple(np.empty((wk.shape[1] - 1, c), np.float32) for wk, c in zip(wn, cs))
+    acc = np.empty((T, sum(cs)), np.float32)
+    e = np.empty_like(acc)
+    _short_convs(tuple(_rows(x) for x in xs), wn, sn, acc, e, news)
+    torch.from_numpy(e).exp_()
+    flat = acc.reshape(-1)
+    _silu_post(flat, e.reshape(-1), flat)               # in place: each element reads itself first
+    y = torch.from_numpy(acc)
+    outs, off = [], 0
+    for c in cs:
+        outs.append(y[:, off:off + c])
+        off += c
+    return outs, [torch.from_numpy(n) for n in news]
+
+
+@njit(cache=True, nogil=True)
+def _decay_pre(u, dtb, A, H, lb_mode, x, buf):
+    T, HD = u.shape
+    dk = HD // H
+    cap = np.float32(20.0)
+    for t in range(T):
+        for j in range(HD):
+            v = u[t, j] + dtb[j]
+            if lb_mode:
+                buf[t, j] = -(A[j // dk] * v)
+            else:
+                x[t, j] = v
+                buf[t, j] = cap if v > cap else v        # clamp(max=20): NaN stays NaN
+
+
+@njit(cache=True, nogil=True)
+def _decay_lb_post(e, lb, g):
+    one = np.float32(1.0)
+    for i in range(e.size):
+        g[i] = lb * (one / (e[i] + one))
+
+
+@njit(cache=True, nogil=True)
+def _one_plus(y, out):
+    one = np.float32(1.0)
+    for i in range(y.size):
+        out[i] = one + y[i]
+
+
+@njit(cache=True, nogil=True)
+def _decay_softplus_post(x, y, u, lu, A, H, g):
+    T, HD = x.shape
+    dk = HD // H
+    one = np.float32(1.0)
+    cap = np.float32(20.0)
+    for t in range(T):
+        for j in range(HD):
+            i = t * HD + j
+            lp = y[i] if u[i] == one else (lu[i] * y[i]) / (u[i] - one)
+            sp = x[t, j] if x[t, j] > cap else lp
+            g[i] = (-A[j // dk]) * sp
+
+
+def _exp_vector(a: torch.Tensor) -> np.ndarray:
+    return torch.exp(a.reshape(-1).to(torch.float32)).numpy()
+
+
+def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_heads: int,
+              lower_bound: float | None) -> torch.Tensor:
+    """KDA's log-space decay g [T, H, dk] from the raw gate u [T, H * dk] (formulas in
+    k3.model.kda.kda_decay), with A = torch's exp of A_log (kept per weight), x = u +
+    dt_bias. K3: lower_bound * (1 / (exp(-(A x)) + 1)). Kimi-Linear: (-A) * softplus(x),
+    softplus(x) = x above 20, else with y = exp(min(x, 20)), v = 1 + y:
+    y where v == 1, else (log(v) * y) / (v - 1). exp and log are torch's, one call each
+    over all the elements; every other operation compiled, in that order."""
+    T, HD = u.shape
+    A = described(a_log, _exp_vector)
+    if A.shape[0] < n_heads or HD % n_heads:
+        raise ValueError(f"kda_decay: A_log of {A.shape[0]} heads, gate of {HD} for {n_heads} heads")
+    un = _rows(u)
+    dtb = described(dt_bias, _f32_vector)
+    buf = np.empty((T, HD), np.float32)
+    g = np.empty((T, HD), np.float32)
+    lb_mode = lower_bound is not None
+    x = buf if lb_mode else np.empty((T, HD), np.float32)
+    _decay_pre(un, dtb, A, n_heads, lb_mode, x, buf)
+    torch.from_numpy(buf).exp_()
+    if lb_mode:
+        _decay_lb_post(buf.reshape(-1), np.float32(lower_bound), g.reshape(-1))
+    else:
+        v = np.empty((T, HD), np.float32)
+        _one_plus(buf.reshape(-1), v.reshape(-1))
+        lv = torch.log(torch.from_numpy(v)).numpy()
+        _decay_softplus_post(x, buf.reshape(-1), v.reshape(-1), lv.reshape(-1), A, n_heads, g.reshape(-1))
+    return torch.from_numpy(g).view(T, n_heads, HD // n_heads)

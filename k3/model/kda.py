@@ -17,8 +17,8 @@ import weakref
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_recurrent_steps
-from .ops import grouped_linear, l2_norm, linear, linears, rms_norm, short_convs, sigmoid, softplus, vec
+from .fused import kda_decay as fused_kda_decay, kda_recurrent_steps
+from .ops import gate as output_gate, grouped_linear, l2_norm, linear, linears, rms_norm, short_convs, sigmoid
 
 CHUNK = 16
 # Below this many tokens the recurrent form is used even for prefill.
@@ -30,13 +30,7 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     """Log-space decay g [T, H, dk] from the raw gate u [T, H*dk].
     K3 (lower_bound set): g = lb * sigmoid(exp(A_log[h]) * (u + dt_bias)).
     Kimi-Linear:          g = -exp(A_log[h]) * softplus(u + dt_bias)."""
-    T = u.shape[0]
-    a = vec(a_log).reshape(-1)[:n_heads]  # K3 pads A_log to a multiple of 128
-    x = (u + vec(dt_bias).reshape(-1)).reshape(T, n_heads, -1)
-    A = torch.exp(a).reshape(1, n_heads, 1)
-    if lower_bound is not None:
-        return lower_bound * sigmoid(A * x)
-    return -A * softplus(x)
+    return fused_kda_decay(u, a_log, dt_bias, n_heads, lower_bound)
 
 
 def kda_recurrent(q, k, v, g, beta, state, into: torch.Tensor | None = None):
@@ -234,5 +228,5 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     st.advance(S)
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
-    o = o.reshape(T, -1) * sigmoid(z)
+    o = output_gate(o.reshape(T, -1), z)
     return linear(o, w["self_attn.o_proj.weight"])

@@ -22,7 +22,7 @@ import torch
 
 from ..config import MLA_NORM_EPS
 from .fused import dots, prods
-from .ops import linear, linears, rms_norm, sigmoid
+from .ops import gate as output_gate, linear, linears, rms_norm
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
 K_TILE = 2048
@@ -172,7 +172,7 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
         st.append(torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, H, rope)], -1), kv[..., nope:])
         o = attend(q, st.k, st.v, past, scale).reshape(T, H * vd)
     if cfg.mla_use_output_gate:
-        o = o * sigmoid(gate[0])
+        o = output_gate(o, gate[0])
     return linear(o, w["self_attn.o_proj.weight"])
 
 

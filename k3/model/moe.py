@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fused import weighted_sum
-from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm, sigmoid, vec
+from .fused import route_topk, weighted_sum
+from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm
 
 
 def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,15 +26,8 @@ def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None
     the caller computed it (with x's other projections, in one call)."""
     if logits is None:
         logits = linear(x, gate_w)
-    scores = sigmoid(logits)
-    biased = scores + vec(bias).reshape(1, -1) if bias is not None else scores
-    # stable descending sort = ties resolved to the lowest expert index
-    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
-    ids = order[:, : cfg.num_experts_per_token]
-    wts = torch.gather(scores, 1, ids)
-    if cfg.moe_renormalize:
-        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
-    return ids, wts * cfg.routed_scaling_factor
+    # one compiled selection around torch's exp and the weights' sum (k3.model.fused)
+    return route_topk(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
 
 
 def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:

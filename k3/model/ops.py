@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .fused import norm_rows, short_conv_sum, weighted_sum
+from . import fused
+from .fused import norm_rows, weighted_sum
 from .weights import Mxfp4Weight
 
 
@@ -75,30 +76,18 @@ def linears(x: torch.Tensor, ws) -> list[torch.Tensor]:
     return outs
 
 
-# The chains below work in place on their own temporaries: the same operations in the
-# same order (1 / t is torch's reciprocal), a fraction of the allocations and dispatch.
-def _one_plus_exp_neg(x: torch.Tensor) -> torch.Tensor:
-    e = torch.neg(x)
-    e.exp_()
-    return e.add_(1.0)
-
-
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)), position-independent (see the module docstring)."""
-    return _one_plus_exp_neg(x).reciprocal_()
+    """1 / (1 + exp(-x)), position-independent (see the module docstring); fused."""
+    return fused.sigmoid(x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return x / _one_plus_exp_neg(x)
+    return fused.silu(x)
 
 
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)) (x above 20: x, as torch's softplus), with log1p(y) computed as
-    log(u) * y / (u - 1), u = 1 + y (exact to a few ulp where 1 + y rounds)."""
-    y = torch.exp(torch.clamp(x, max=20.0))
-    u = 1.0 + y
-    lp = torch.where(u == 1.0, y, torch.log(u) * y / (u - 1.0))
-    return torch.where(x > 20.0, x, lp)
+def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(z), elementwise (an output gate; o and z of one shape)."""
+    return fused.gate(o, z)
 
 
 def vec(w: torch.Tensor) -> torch.Tensor:
@@ -114,15 +103,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta).
-    The sigmoid takes the uncapped gate; |out| <= beta*linear_beta."""
-    a = (g / beta).tanh_().mul_(beta).mul_(sigmoid(g))
-    if linear_beta is not None:
-        u = (u / linear_beta).tanh_().mul_(linear_beta)
-    return a.mul_(u)
+    The sigmoid takes the uncapped gate; |out| <= beta*linear_beta. Fused: one torch
+    tanh and one torch exp, the arithmetic around them compiled (k3.model.fused)."""
+    return fused.situ_glu(g, u, beta, linear_beta)
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return silu(g) * u
+    return fused.silu_glu(g, u)
 
 
 def glu_act(cfg, g, u):
@@ -142,20 +129,8 @@ def short_convs(xs, ws, states):
     """Causal depthwise conv + SiLU of several streams (KDA's q, k, v), one SiLU over all
     of them. Per stream: x [T, C]; w [C, 1, K] (w[:, 0, K-1] multiplies the current
     token); state [K-1, C] = the previous K-1 inputs (None: zeros, sequence start).
-    Returns ([out [T, C]], [new_state [K-1, C]])."""
-    cs = [x.shape[1] for x in xs]
-    acc = torch.empty(xs[0].shape[0], sum(cs))
-    new, off = [], 0
-    for x, w, st, c in zip(xs, ws, states, cs):
-        wk = vec(w).reshape(c, -1)
-        new.append(short_conv_sum(x, wk, st, acc[:, off:off + c]))
-        off += c
-    y = silu(acc)
-    outs, off = [], 0
-    for c in cs:
-        outs.append(y[:, off:off + c])
-        off += c
-    return outs, new
+    Returns ([out [T, C]], [new_state [K-1, C]]). Fused (k3.model.fused)."""
+    return fused.short_convs_silu(xs, ws, states)
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
