@@ -169,7 +169,7 @@ def test_kept_tables_follow_their_weight_objects():
         y2 = b.bf16_grouped(x, [w, w])
         assert torch.equal(y2[:n], y[0]) and torch.equal(y2[n:], y[0])
     k = id(w)
-    assert k in b._DESC and any(k in key[2:] for key in b._TABLES)
+    assert any(key[0] == k for key in b._DESC) and any(k in key[2:] for key in b._TABLES)
     del w
     gc.collect()
-    assert k not in b._DESC and not any(k in key[2:] for key in b._TABLES)
+    assert not any(key[0] == k for key in b._DESC) and not any(k in key[2:] for key in b._TABLES)

@@ -151,16 +151,14 @@ def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: 
     inverse root is 1 / sqrt in fp64, rounded once to fp32. (torch's fp64 reduction, used
     before, has a CPU-dependent order; the fp32 factor came out the same on every row
     tried, docs/ARCHITECTURE.md.)"""
-    shape = x.shape
-    d = shape[-1]
     if x.dtype != torch.float32:
         raise ValueError(f"norm_rows takes float32 activations, got {x.dtype}")
-    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, d).contiguous()  # (each op costs us)
-    out = np.empty((x2.shape[0], d), np.float32)
+    xn = (x if x.is_contiguous() else x.contiguous()).numpy()  # numpy's reshapes cost less than torch's
+    x2 = xn.reshape(-1, xn.shape[-1])
+    out = np.empty(x2.shape, np.float32)
     wn = _NO_GAIN if w is None else described(w, _gain_array)
-    _norm_rows(x2.numpy(), float(eps), wn, mean, out)
-    y = torch.from_numpy(out)
-    return y if x.dim() == 2 else y.view(shape)
+    _norm_rows(x2, float(eps), wn, mean, out)
+    return torch.from_numpy(out.reshape(xn.shape))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -527,7 +525,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     xn = _flat(x)
     out = np.empty_like(xn)
     _sigmoid_post(_exp_neg(xn), out)
-    return torch.from_numpy(out).view(x.shape)
+    return torch.from_numpy(out.reshape(x.shape))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -535,7 +533,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     xn = _flat(x)
     out = np.empty_like(xn)
     _silu_post(xn, _exp_neg(xn), out)
-    return torch.from_numpy(out).view(x.shape)
+    return torch.from_numpy(out.reshape(x.shape))
 
 
 def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -545,7 +543,7 @@ def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate: {tuple(o.shape)} and {tuple(z.shape)} differ")
     out = np.empty_like(on)
     _gate_post(on, _exp_neg(zn), out)
-    return torch.from_numpy(out).view(o.shape)
+    return torch.from_numpy(out.reshape(o.shape))
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -553,7 +551,7 @@ def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     gn, un = _flat(g), _flat(u)
     out = np.empty_like(gn)
     _silu_glu_post(gn, _exp_neg(gn), un, out)
-    return torch.from_numpy(out).view(g.shape)
+    return torch.from_numpy(out.reshape(g.shape))
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -572,7 +570,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float |
     tb[2 * n:].exp_()
     out = np.empty_like(gn)
     _situ_post(buf, un, b, lb, has_lb, out)
-    return torch.from_numpy(out).view(g.shape)
+    return torch.from_numpy(out.reshape(g.shape))
 
 
 @njit(cache=True, nogil=True)
@@ -778,4 +776,4 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
         _one_plus(buf.reshape(-1), v.reshape(-1))
         lv = torch.log(torch.from_numpy(v)).numpy()
         _decay_softplus_post(x, buf.reshape(-1), v.reshape(-1), lv.reshape(-1), A, n_heads, g.reshape(-1))
-    return torch.from_numpy(g).view(T, n_heads, HD // n_heads)
+    return torch.from_numpy(g.reshape(T, n_heads, HD // n_heads))

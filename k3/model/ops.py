@@ -15,6 +15,8 @@ functions below are built from those alone.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import fused
@@ -149,11 +151,34 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     """Attention Residuals mix. sources: list of fp32 [T, d]. The norm gain is folded into
     the pseudo-query (w = norm * proj); normalised sources are used only for scoring, the
     raw ones are mixed."""
-    w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
     V = torch.stack(sources, 0)  # [S, T, d]
-    normed = rms_norm(V, None, eps)
+    # normed * w in the norm's call: (x * inv) * w[i] is what its gain step computes
+    scaled = rms_norm(V, _mix_query(norm_w, proj_w), eps)
     # Scores as an elementwise product summed over the contiguous last dim, and the softmax
     # along a contiguous last dim (one row per token): a batched matrix-vector product
     # (`normed @ w`) and a softmax over a leading dim both depend on the thread count.
-    a = torch.softmax((normed * w).sum(-1).T.contiguous(), dim=-1)  # [T, S]
+    S, T = V.shape[0], V.shape[1]
+    scores = scaled.sum(-1)
+    scores = scores.view(1, S) if T == 1 else scores.T.contiguous()  # [T, S]
+    a = torch.softmax(scores, dim=-1)
     return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...
+
+
+#: (id(norm_w), id(proj_w)) -> (weakrefs, query); see ``_mix_query``
+_QUERIES: dict[tuple, tuple] = {}
+
+
+def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    """w = fp32(norm) * fp32(proj) of an Attention Residuals mix, computed once per live
+    pair of weight objects (it depends on nothing else); the entry goes with them."""
+    key = (id(norm_w), id(proj_w))
+    e = _QUERIES.get(key)
+    if e is not None and e[0]() is norm_w and e[1]() is proj_w:
+        return e[2]
+    w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
+    try:
+        drop = lambda _r, k=key: _QUERIES.pop(k, None)  # noqa: E731
+        _QUERIES[key] = (weakref.ref(norm_w, drop), weakref.ref(proj_w, drop), w)
+    except TypeError:
+        pass
+    return w

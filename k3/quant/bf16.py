@@ -750,6 +750,11 @@ def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
 
 def _as_f32_activations(x, name="x"):
     """x (torch or numpy, float32, 1-D or 2-D) -> (C-contiguous float32 numpy [T, K], was_1d)."""
+    if type(x) is torch.Tensor and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu \
+            and not x.requires_grad and x.is_contiguous():
+        return x.numpy(), False   # the decode path: the checks below, in their cheapest form
+    if type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous:
+        return x, False
     xn = as_cpu_array(x, name, torch.float32, np.float32)
     if xn.ndim not in (1, 2):
         raise ValueError(f"{name} must be 2-D [T, K] (or 1-D [K]), got shape {tuple(xn.shape)}")
@@ -858,15 +863,15 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
     return table
 
 
-#: weight object id -> (weakref, its checked descriptor); see ``described``
-_DESC: dict[int, tuple] = {}
+#: (weight object id, describe) -> (weakref, its checked descriptor); see ``described``
+_DESC: dict[tuple, tuple] = {}
 
 
 def described(w, describe):
     """``describe(w)`` (a weight's checked address and shape), computed once per live
     weight object: the type, dtype and layout checks cost more than a small decode
     kernel, and a weight object's bytes never move. The entry goes with the object."""
-    k = id(w)
+    k = (id(w), describe)  # one weight may be read two ways (a matrix, a vector)
     e = _DESC.get(k)
     if e is not None and e[0]() is w:
         return e[1]
