@@ -38,7 +38,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     are distinct, each reads row 0 of z, and its pairs are already in top-k order."""
     T, k = ids.shape
     d = z.shape[1]
-    flat = ids.reshape(-1).numpy()
+    flat = ids.numpy().reshape(-1)
     if T == 1:
         experts = flat.tolist()
         x, span = z, dict.fromkeys(experts, (0, 1))

@@ -791,26 +791,30 @@ def _bf16_matrix(w) -> tuple[int, int, int]:
 
 
 @njit(cache=True, nogil=True)
-def _fill_jobs(d, rows, M, jobs):
-    """job_table's arithmetic: the jobs with rows, in order; returns (their number,
-    total, most tokens, the first job whose rows lie outside the activation or -1)."""
+def _fill_jobs(d, rows, M, K, jobs):
+    """job_table's arithmetic and checks: the jobs with rows, in order; returns (their
+    number, total, most tokens, the first bad matrix or -1, why: 1 its in-features are
+    not K, 2 its rows lie outside the activation)."""
     off = tmax = j = 0
+    na = d.shape[1] - 1                               # d[g] = (n, addresses..., in-features)
     for g in range(d.shape[0]):
+        if d[g, na] != K:
+            return j, off, tmax, g, 1
         x0, x1 = (0, M) if rows.shape[0] == 0 else (rows[g, 0], rows[g, 1])
         if not 0 <= x0 <= x1 <= M:
-            return j, off, tmax, g
+            return j, off, tmax, g, 2
         if x1 == x0 or d[g, 0] == 0:
             continue
         jobs[j, J_N] = d[g, 0]
         jobs[j, J_X0] = x0
         jobs[j, J_X1] = x1
         jobs[j, J_OFF] = off
-        for a in range(1, d.shape[1]):
+        for a in range(1, na):
             jobs[j, J_ADDR + a - 1] = d[g, a]
         off += (x1 - x0) * d[g, 0]
         tmax = max(tmax, x1 - x0)
         j += 1
-    return j, off, tmax, -1
+    return j, off, tmax, -1, 0
 
 
 _ALL_ROWS = np.empty((0, 2), np.int64)
@@ -818,18 +822,23 @@ _ALL_ROWS = np.empty((0, 2), np.int64)
 
 def job_table(M: int, K: int, mats, rows=None) -> tuple[np.ndarray, int, int, int]:
     """The job table (J_* columns) of a grouped call: matrix g, described by mats[g] =
-    (n, address, ...) ([n, K] with its leading column at address; formats with more
-    arrays give more addresses), multiplies rows ``rows[g]`` = (x0, x1) of an activation
-    of M rows (all of them when ``rows`` is None); the results lie one after another,
-    each row-major [x1 - x0, n]. Returns (jobs, total output floats, multiply-adds,
-    most tokens of one job); jobs with no rows or no outputs are left out of the table
-    (their results are empty). Rebuilt for every call at decode: one compiled loop."""
+    (n, address, ..., in-features) ([n, K] with its leading column at address; formats
+    with more arrays give more addresses), multiplies rows ``rows[g]`` = (x0, x1) of an
+    activation [M, K] (all of them when ``rows`` is None); the results lie one after
+    another, each row-major [x1 - x0, n]. Returns (jobs, total output floats,
+    multiply-adds, most tokens of one job); jobs with no rows or no outputs are left out
+    of the table (their results are empty). ValueError for a matrix whose in-features
+    are not K or whose rows lie outside the activation. Rebuilt for every call at
+    decode: one array conversion and one compiled loop."""
     G = len(mats)
     d = np.array(mats, dtype=np.int64).reshape(G, -1)
     r = _ALL_ROWS if rows is None else np.array(rows, dtype=np.int64).reshape(G, 2)
-    jobs = np.empty((G, J_ADDR + d.shape[1] - 1), np.int64)
-    n, total, tmax, bad = _fill_jobs(d, r, M, jobs)
-    if bad >= 0:
+    jobs = np.empty((G, J_ADDR + d.shape[1] - 2), np.int64)
+    n, total, tmax, bad, why = _fill_jobs(d, r, M, K, jobs)
+    if why == 1:
+        raise ValueError(f"shape mismatch: x is [{M}, {K}] but weight {bad} is [{d[bad, 0]}, {d[bad, -1]}] "
+                         "(in-features differ)")
+    if why == 2:
         raise ValueError(f"job {bad}: rows [{r[bad, 0]}, {r[bad, 1]}) outside the activation's {M} rows")
     return jobs[:n], total, total * K, tmax
 
@@ -848,12 +857,7 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
         e = _TABLES.get(key)
         if e is not None and all(r() is w for r, w in zip(e[0], ws)):
             return e[1]
-    mats = [described(w, describe) for w in ws]
-    for g, m in enumerate(mats):
-        if m[-1] != K:
-            raise ValueError(f"shape mismatch: x is [{M}, {K}] but weight {g} is [{m[0]}, {m[-1]}] "
-                             "(in-features differ)")
-    table = job_table(M, K, [m[:-1] for m in mats], rows)
+    table = job_table(M, K, [described(w, describe) for w in ws], rows)
     if rows is None:
         try:
             refs = [weakref.ref(w, lambda _r, k=key: _TABLES.pop(k, None)) for w in ws]
