@@ -505,8 +505,13 @@ def _situ_post(buf, u, beta, lb, has_lb, out):
         out[i] = a * (buf[n + i] * lb if has_lb else u[i])
 
 
-def _flat(x: torch.Tensor) -> np.ndarray:
-    """x's elements as a 1-D float32 numpy array (a view when x is contiguous)."""
+def _flat(x) -> np.ndarray:
+    """x's elements (a float32 tensor or array) as a 1-D float32 numpy array (a view
+    when x is contiguous)."""
+    if type(x) is np.ndarray:
+        if x.dtype != np.float32:
+            raise ValueError(f"the fused activations take float32, got numpy {x.dtype}")
+        return x.reshape(-1)
     if x.dtype != torch.float32:
         raise ValueError(f"the fused activations take float32, got {x.dtype}")
     return (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
@@ -546,28 +551,27 @@ def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.reshape(o.shape))
 
 
-def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u per element (g and u of one shape)."""
+def silu_glu(g, u) -> torch.Tensor:
+    """silu(g) * u per element (g and u float32 tensors or arrays of one shape)."""
     gn, un = _flat(g), _flat(u)
     out = np.empty_like(gn)
     _silu_glu_post(gn, _exp_neg(gn), un, out)
     return torch.from_numpy(out.reshape(g.shape))
 
 
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
     """((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))
     per element (the last factor u itself when linear_beta is None), each operation
     rounded in that order; g / beta and u / linear_beta go through one torch tanh, -g
-    through one torch exp."""
+    through one torch exp. g, u: float32 tensors or arrays of one shape."""
     gn, un = _flat(g), _flat(u)
     n = gn.size
     has_lb = linear_beta is not None
     b, lb = np.float32(beta), np.float32(linear_beta if has_lb else 1.0)
     buf = np.empty(3 * n, np.float32)
     _situ_pre(gn, un, b, lb, has_lb, buf)
-    tb = torch.from_numpy(buf)
-    tb[:2 * n if has_lb else n].tanh_()
-    tb[2 * n:].exp_()
+    torch.from_numpy(buf[:2 * n if has_lb else n]).tanh_()   # (numpy slices cost less than torch's)
+    torch.from_numpy(buf[2 * n:]).exp_()
     out = np.empty_like(gn)
     _situ_post(buf, un, b, lb, has_lb, out)
     return torch.from_numpy(out.reshape(g.shape))

@@ -66,7 +66,9 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
             for (e, ew), (a, b) in zip(es, rows):
                 contrib[dest[e]] = linear(glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
             continue
-        h = glu_act(cfg, gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter))
+        gun = gu.numpy()  # the GLU reads numpy halves: no torch slices and views
+        h = glu_act(cfg, gun[:n * inter].reshape(n, inter), gun[n * inter:].reshape(n, inter))
+        del gun
         del gu  # (the planner's activation bound counts gate | up or the down output, not both)
         at = np.cumsum([0] + [b - a for a, b in rows]).tolist()
         y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:]))).view(n, d)

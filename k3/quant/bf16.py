@@ -940,6 +940,11 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
 
     Each output element has the canonical order (module docstring): the same bits as
     ``bf16_linear(x[x0:x1], W_g)``, whatever the grouping, tokens or thread count."""
+    return torch.from_numpy(_bf16_grouped_np(x, ws, rows))
+
+
+def _bf16_grouped_np(x, ws, rows=None) -> np.ndarray:
+    """bf16_grouped's result as the numpy array it fills."""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
     jobs, total, work, tmax = grouped_jobs(M, K, ws, _bf16_matrix, rows)
@@ -949,7 +954,7 @@ def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
             out[:] = 0.0
         else:
             _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, jobs, out, _RB1, _RB, _KC)
-    return torch.from_numpy(out)
+    return out
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -961,5 +966,5 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Summation order: the canonical order of the module docstring, so the result is
     bit-identical for any thread count and any number of tokens sharing the call."""
     xn, was_1d = _as_f32_activations(x)
-    res = bf16_grouped(xn, [w])  # checks w against x
-    return res if was_1d else res.view(xn.shape[0], described(w, _bf16_matrix)[0])
+    res = _bf16_grouped_np(xn, [w])  # checks w against x
+    return torch.from_numpy(res if was_1d else res.reshape(xn.shape[0], described(w, _bf16_matrix)[0]))
