@@ -380,16 +380,24 @@ def _w_step_ir(builder, pp, sp, j, xep, xop, acc):
 
 
 def _w_tree_ir(builder, parts):
-    """The halving tree of one token's 8 accumulator registers (W_PERM order): joined
-    into one <64 x float>, the lanes put back in canonical order, then the tree."""
+    """The halving tree of one token's 8 accumulator registers (W_PERM order), on the
+    registers as they are: register k = 4c + 2u + p holds canonical lanes 32c + 16hh +
+    8u + 2i + p in its lane 4hh + i, so each level of the tree pairs whole registers
+    (h = 32: c, h = 8: u), register halves (h = 16: hh, h = 4: i >> 1) or neighbours
+    (h = 2: i & 1, h = 1: p): the additions of ``tree_sum_ir`` on the canonical lanes,
+    in its order, without moving 64 lanes back first."""
     I32 = ir.IntType(32)
-    while len(parts) > 1:
-        k = parts[0].type.count
-        parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(I32, 2 * k),
-                                                                            list(range(2 * k))))
-                 for i in range(0, len(parts), 2)]
-    return tree_sum_ir(builder, builder.shuffle_vector(parts[0], parts[0], ir.Constant(
-        ir.VectorType(I32, LANES), _inverse(W_PERM))))
+
+    def half(v, lo):
+        n = v.type.count // 2
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(lo * n, lo * n + n))))
+
+    r = [builder.fadd(parts[k], parts[k + 4]) for k in range(4)]          # h = 32: c
+    r = [builder.fadd(half(v, 0), half(v, 1)) for v in r]                  # h = 16: hh
+    r = [builder.fadd(r[p], r[2 + p]) for p in range(2)]                   # h = 8: u
+    r = [builder.fadd(half(v, 0), half(v, 1)) for v in r]                  # h = 4: i >> 1
+    r = [builder.fadd(builder.extract_element(v, I32(0)), builder.extract_element(v, I32(1))) for v in r]  # h = 2
+    return builder.fadd(r[0], r[1])                                        # h = 1: p
 
 
 @intrinsic
