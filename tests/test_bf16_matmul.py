@@ -152,6 +152,29 @@ def test_validation_errors():
         set_num_threads(0)
 
 
+def test_derived_values_follow_their_pair_of_objects():
+    """``described(w, f, partner)`` keeps f(w, partner) per live pair: another partner
+    (even one created where a dead one was) gets its own value, and the entry goes
+    when either object does."""
+    import gc
+
+    from k3.quant import bf16 as b
+
+    def prod(a, c):
+        return a * c
+
+    a = torch.full((4,), 2.0)
+    for n in range(1, 30):  # partners freed and allocated in turn: ids get reused
+        c = torch.full((4,), float(n))
+        assert torch.equal(b.described(a, prod, c), torch.full((4,), 2.0 * n))
+        assert b.described(a, prod, c) is b.described(a, prod, c)
+    key = (id(a), prod, id(c))
+    assert key in b._DESC
+    del c
+    gc.collect()
+    assert key not in b._DESC
+
+
 def test_kept_tables_follow_their_weight_objects():
     """A weight's descriptor and a projection group's job table are kept per live weight
     object: a weight created where a dead one was (often the same id) gets its own,

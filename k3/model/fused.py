@@ -505,16 +505,21 @@ def _situ_post(buf, u, beta, lb, has_lb, out):
         out[i] = a * (buf[n + i] * lb if has_lb else u[i])
 
 
-def _flat(x) -> np.ndarray:
-    """x's elements (a float32 tensor or array) as a 1-D float32 numpy array (a view
-    when x is contiguous)."""
+def _array(x) -> np.ndarray:
+    """x (a float32 tensor or array) as a C-contiguous float32 numpy array of its shape
+    (a view when x is contiguous)."""
     if type(x) is np.ndarray:
         if x.dtype != np.float32:
-            raise ValueError(f"the fused activations take float32, got numpy {x.dtype}")
-        return x.reshape(-1)
+            raise ValueError(f"the fused ops take float32 activations, got numpy {x.dtype}")
+        return np.ascontiguousarray(x)
     if x.dtype != torch.float32:
-        raise ValueError(f"the fused activations take float32, got {x.dtype}")
-    return (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
+        raise ValueError(f"the fused ops take float32 activations, got {x.dtype}")
+    return (x if x.is_contiguous() else x.contiguous()).numpy()
+
+
+def _flat(x) -> np.ndarray:
+    """_array(x) as 1-D."""
+    return _array(x).reshape(-1)
 
 
 def _exp_neg(xn: np.ndarray) -> np.ndarray:
@@ -682,12 +687,6 @@ def _short_convs1(x0, w0, s0, acc, neg, n0):
     _conv_stream(x0, w0, s0, acc, neg, n0, 0)
 
 
-def _rows(x: torch.Tensor) -> np.ndarray:
-    if x.dtype != torch.float32:
-        raise ValueError(f"expected float32 activations, got {x.dtype}")
-    return (x if x.is_contiguous() else x.contiguous()).numpy()
-
-
 def _conv_taps(w: torch.Tensor) -> np.ndarray:
     """Conv taps [C, 1, K] as fp32 [K, C] (one row per tap: the inner loop runs along C)."""
     return np.ascontiguousarray(w.to(torch.float32).reshape(w.shape[0], -1).numpy().T)
@@ -703,12 +702,12 @@ def short_convs_silu(xs, ws, states):
     T = xs[0].shape[0]
     cs = [x.shape[1] for x in xs]
     wn = tuple(described(w, _conv_taps) for w in ws)
-    sn = tuple(np.zeros((wk.shape[0] - 1, c), np.float32) if st is None else _rows(st)
+    sn = tuple(np.zeros((wk.shape[0] - 1, c), np.float32) if st is None else _array(st)
                for wk, st, c in zip(wn, states, cs))
     news = tuple(np.empty((wk.shape[0] - 1, c), np.float32) for wk, c in zip(wn, cs))
     acc = np.empty((T, sum(cs)), np.float32)
     e = np.empty_like(acc)
-    xn = [_rows(x) for x in xs]
+    xn = [_array(x) for x in xs]
     if len(xs) == 3:
         _short_convs3(*xn, *wn, *sn, acc, e, *news)
     elif len(xs) == 1:
@@ -784,7 +783,7 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     A = described(a_log, _exp_vector)
     if A.shape[0] < n_heads or HD % n_heads:
         raise ValueError(f"kda_decay: A_log of {A.shape[0]} heads, gate of {HD} for {n_heads} heads")
-    un = _rows(u)
+    un = _array(u)
     dtb = described(dt_bias, _f32_vector)
     buf = np.empty((T, HD), np.float32)
     g = np.empty((T, HD), np.float32)

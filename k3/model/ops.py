@@ -15,11 +15,10 @@ functions below are built from those alone.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from . import fused
+from ..quant.bf16 import described
 from .fused import norm_rows, weighted_sum
 from .weights import Mxfp4Weight
 
@@ -153,7 +152,7 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     raw ones are mixed."""
     V = torch.stack(sources, 0)  # [S, T, d]
     # normed * w in the norm's call: (x * inv) * w[i] is what its gain step computes
-    scaled = rms_norm(V, _mix_query(norm_w, proj_w), eps)
+    scaled = rms_norm(V, described(norm_w, _mix_query, proj_w), eps)
     # Scores as an elementwise product summed over the contiguous last dim, and the softmax
     # along a contiguous last dim (one row per token): a batched matrix-vector product
     # (`normed @ w`) and a softmax over a leading dim both depend on the thread count.
@@ -164,21 +163,7 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...
 
 
-#: (id(norm_w), id(proj_w)) -> (weakrefs, query); see ``_mix_query``
-_QUERIES: dict[tuple, tuple] = {}
-
-
 def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
-    """w = fp32(norm) * fp32(proj) of an Attention Residuals mix, computed once per live
-    pair of weight objects (it depends on nothing else); the entry goes with them."""
-    key = (id(norm_w), id(proj_w))
-    e = _QUERIES.get(key)
-    if e is not None and e[0]() is norm_w and e[1]() is proj_w:
-        return e[2]
-    w = vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)
-    try:
-        drop = lambda _r, k=key: _QUERIES.pop(k, None)  # noqa: E731
-        _QUERIES[key] = (weakref.ref(norm_w, drop), weakref.ref(proj_w, drop), w)
-    except TypeError:
-        pass
-    return w
+    """w = fp32(norm) * fp32(proj) of an Attention Residuals mix (kept per live pair of
+    weight objects by ``described``: it depends on nothing else)."""
+    return vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)

@@ -871,17 +871,23 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
 _DESC: dict[tuple, tuple] = {}
 
 
-def described(w, describe):
-    """``describe(w)`` (a weight's checked address and shape), computed once per live
-    weight object: the type, dtype and layout checks cost more than a small decode
-    kernel, and a weight object's bytes never move. The entry goes with the object."""
-    k = (id(w), describe)  # one weight may be read two ways (a matrix, a vector)
+def described(w, describe, partner=None):
+    """``describe(w)`` (a weight's checked address and shape, or another value derived
+    from the weight alone), computed once per live weight object: the type, dtype and
+    layout checks cost more than a small decode kernel, and a weight object's bytes
+    never move. With ``partner``, ``describe(w, partner)``, kept per live pair. The
+    entry goes with the object(s)."""
+    if partner is None:
+        k = (id(w), describe)  # one weight may be read two ways (a matrix, a vector)
+    else:
+        k = (id(w), describe, id(partner))
     e = _DESC.get(k)
-    if e is not None and e[0]() is w:
+    if e is not None and e[0]() is w and (partner is None or e[2]() is partner):
         return e[1]
-    d = describe(w)
+    d = describe(w) if partner is None else describe(w, partner)
     try:
-        _DESC[k] = (weakref.ref(w, lambda _r, k=k: _DESC.pop(k, None)), d)
+        drop = lambda _r, k=k: _DESC.pop(k, None)  # noqa: E731
+        _DESC[k] = (weakref.ref(w, drop), d, None if partner is None else weakref.ref(partner, drop))
     except TypeError:  # an object without weak references: checked on every call
         pass
     return d
