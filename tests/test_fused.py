@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3.config import parse_config
-from k3.model import fused, kda, ops
+from k3.model import fused, kda, ops, vml
 from k3.model.moe import routed_experts
 from k3.model.ops import glu_act, linear
 from k3.model.weights import DictWeights, Mxfp4Weight
@@ -183,6 +183,44 @@ def test_routed_experts_f32_fixture_weights_fall_back():
 
 
 # ------------------------------------------------------------------ fused small ops
+@pytest.fixture(params=[True, False], ids=["vml", "torch-calls"])
+def math_form(request, monkeypatch):
+    """Both forms of the fused chains: torch's exp / tanh / log called from the compiled
+    pass (k3.model.vml), and called by torch between two compiled passes."""
+    if request.param and not vml.AVAILABLE:
+        pytest.skip("torch's vector math is not callable from compiled code in this build")
+    monkeypatch.setattr(fused, "USE_VML", request.param)
+    return request.param
+
+
+def test_vml_gives_torchs_bits_anywhere_in_an_array():
+    """torch's exp / tanh / log from compiled code: every element torch's bits, at any
+    offset and length (a chain's buffer holds several functions' arguments side by
+    side) and in place. This x86 build of torch has MKL's vector math, so the fast form
+    must be on: losing it would silently bring the torch calls back."""
+    import platform
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert vml.AVAILABLE
+    if not vml.AVAILABLE:
+        pytest.skip("no MKL vector math in this torch build")
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randn(200_000, generator=g) * 40, torch.randn(100_000, generator=g) * 3,
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.72284, -103.9721, 1e-45])])
+    rng = np.random.default_rng(3)
+    for fn, ref, arg in ((vml.vexp, torch.exp, x), (vml.vtanh, torch.tanh, x), (vml.vlog, torch.log, x.abs())):
+        want = ref(arg).numpy()
+        a = arg.numpy()
+        got = np.empty_like(a)
+        fn(a, got)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+        for _ in range(300):
+            n = int(rng.integers(1, 300))
+            o = int(rng.integers(0, a.size - n))
+            piece = a[o:o + n].copy()
+            fn(piece, piece)
+            assert np.array_equal(piece.view(np.int32), want[o:o + n].view(np.int32))
+
+
 # The torch chains the fused ops replaced, verbatim.
 def ref_silu(x):
     return x / (1.0 + torch.exp(-x))
@@ -199,7 +237,7 @@ def ref_situ_glu(g, u, beta, linear_beta):
     return a * u
 
 
-def test_in_place_activation_chains(threads):
+def test_in_place_activation_chains(threads, math_form):
     g = torch.Generator().manual_seed(1)
     for shape in [(1, 7), (3, 1000), (70, 301)]:
         x = torch.randn(*shape, generator=g) * 30.0
@@ -212,7 +250,7 @@ def test_in_place_activation_chains(threads):
         assert same(ops.silu_glu(x, u), ref_silu(x) * u)
 
 
-def test_output_gate(threads):
+def test_output_gate(threads, math_form):
     g = torch.Generator().manual_seed(4)
     o = torch.randn(3, 500, generator=g) * 5.0
     z = torch.randn(3, 500, generator=g) * 30.0
@@ -234,7 +272,7 @@ def ref_route(logits, bias, k, renorm, scale):
 
 
 @pytest.mark.parametrize("E,k", [(32, 8), (100, 1), (896, 16), (16, 16)])
-def test_route_topk_equals_the_sort(E, k):
+def test_route_topk_equals_the_sort(E, k, math_form):
     g = torch.Generator().manual_seed(E + k)
     for T in (1, 5):
         logits = torch.randn(T, E, generator=g) * 3.0
@@ -249,6 +287,33 @@ def test_route_topk_equals_the_sort(E, k):
                 rids, rwts = ref_route(logits, bias, k, renorm, scale)
                 assert ids.dtype == torch.int64 and torch.equal(ids, rids), (T, bias, renorm)
                 assert same(wts, rwts)
+
+
+def test_online_softmax_tile_equals_the_torch_chain(math_form):
+    """mla's online-softmax step before the fusion, verbatim, over several key tiles:
+    masked keys (-inf), a NaN score, ties at the maximum, rows whose maximum moves."""
+    g = torch.Generator().manual_seed(11)
+    H, M, dv = 3, 5, 7
+    m = torch.full((H, M, 1), float("-inf"))
+    den, acc = torch.zeros(H, M, 1), torch.zeros(H, M, dv)
+    rm, rden, racc = m.clone(), den.clone(), acc.clone()
+    for n, shift in ((6, 0.0), (9, 4.0), (1, -3.0), (11, 8.0)):
+        sc = torch.randn(H, M, n, generator=g) * 3.0 + shift
+        sc[0, 1, -1] = float("-inf")
+        sc[1, 2, 0] = sc[1, 2].max()
+        if n == 9:
+            sc[2, 4, 3] = float("nan")
+        v = torch.randn(H, M, dv, generator=g)
+        m_new = torch.maximum(rm, sc.amax(-1, keepdim=True))
+        rp = torch.exp(sc - m_new)
+        rcorr = torch.exp(rm - m_new)
+        rden = rden * rcorr + rp.sum(-1, keepdim=True)
+        racc = racc * rcorr + v
+        rm = m_new
+        p, m, corr = fused.softmax_tile(sc.clone(), m)
+        fused.softmax_merge(den, acc, corr, p.sum(-1, keepdim=True), v)
+        assert same(p, rp) and same(m, rm) and same(corr, rcorr)
+        assert same(den, rden) and same(acc, racc)
 
 
 def ref_kda_decay(u, a_log, dt_bias, n_heads, lower_bound):
@@ -267,7 +332,7 @@ def ref_kda_decay(u, a_log, dt_bias, n_heads, lower_bound):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_fused_kda_decay(T, threads):
+def test_fused_kda_decay(T, threads, math_form):
     g = torch.Generator().manual_seed(T)
     H, dk = 3, 40
     u = torch.randn(T, H * dk, generator=g) * 8.0
@@ -381,7 +446,7 @@ def test_fused_norms_and_sums(T, threads):
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("K", [1, 4])
-def test_fused_short_conv(T, K, threads):
+def test_fused_short_conv(T, K, threads, math_form):
     g = torch.Generator().manual_seed(T * 10 + K)
     C = 96
     ws = [torch.randn(C, 1, K, generator=g) for _ in range(3)]

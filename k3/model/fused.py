@@ -5,9 +5,11 @@ Bit-identity with the torch chains they replace (tests/test_fused.py checks it) 
 three facts: every function here does the same IEEE fp32 / fp64 operations in the same
 order per element (a product is rounded before it is added: numba never contracts
 ``a + b * c`` into an fma without fast-math, which is never set); torch's rsqrt of a
-double is 1 / sqrt correctly rounded; and whatever is not plain arithmetic (exp, tanh,
-the reductions) stays with torch. Each element is computed by one thread, so the
-results do not depend on the thread count.
+double is 1 / sqrt correctly rounded; and whatever is not plain arithmetic stays
+torch's: exp, tanh and log are torch's own vector-math routines, called from the
+compiled pass where this process allows it (k3.model.vml), else by torch between two
+compiled passes; the reductions that must match torch's order are torch's. Each
+element is computed by one thread, so the results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from numba import get_num_threads, get_thread_id, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import vml
+from .vml import vexp, vlog, vtanh
 from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
                           F32_ONLY, W_DTYPES, c_matrix, counted_loop, described, for_each_nt, make_tile,
                           widen_bf16_vec)
@@ -443,13 +447,19 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
 
 
 # ------------------------------------------------------------------ gates, GLUs, router
-# exp and tanh stay with torch (its vectorised exp / tanh give bits numba's libm does
-# not, and a position-independent result, k3.model.ops), so a chain around them is one
-# compiled pass that writes their arguments side by side in one buffer, one torch call
-# per function over its part of that buffer, and one compiled pass that combines the
-# results: the same IEEE operations in the same order per element as the torch chain
-# (numba rounds every float32 operation; the scalars are passed as float32, as torch
-# casts a Python number to the tensor's dtype), at a fraction of its dispatches.
+# exp and tanh must be torch's (its vectorised exp / tanh give bits numba's libm does
+# not, and a position-independent result, k3.model.ops). Where k3.model.vml can call
+# torch's own routines from compiled code (USE_VML), each chain below is ONE compiled
+# call; otherwise one compiled pass writes their arguments side by side in one buffer,
+# one torch call per function runs over its part of that buffer, and one compiled pass
+# combines the results. Either way: the same IEEE operations in the same order per
+# element as the torch chain (numba rounds every float32 operation; the scalars are
+# passed as float32, as torch casts a Python number to the tensor's dtype).
+
+#: call torch's exp / tanh / log from the compiled passes (tests switch it off to check
+#: that both forms give the same bits)
+USE_VML = vml.AVAILABLE
+
 
 @njit(cache=True, nogil=True)
 def _neg(x, out):
@@ -505,6 +515,45 @@ def _situ_post(buf, u, beta, lb, has_lb, out):
         out[i] = a * (buf[n + i] * lb if has_lb else u[i])
 
 
+@njit(cache=True, nogil=True)
+def _sigmoid1(x, out):
+    _neg(x, out)
+    vexp(out, out)
+    _sigmoid_post(out, out)                             # each element reads itself first
+
+
+@njit(cache=True, nogil=True)
+def _silu1(x, out):
+    _neg(x, out)
+    vexp(out, out)
+    _silu_post(x, out, out)
+
+
+@njit(cache=True, nogil=True)
+def _gate1(o, z, out):
+    _neg(z, out)
+    vexp(out, out)
+    _gate_post(o, out, out)
+
+
+@njit(cache=True, nogil=True)
+def _silu_glu1(g, u, out):
+    _neg(g, out)
+    vexp(out, out)
+    _silu_glu_post(g, out, u, out)
+
+
+@njit(cache=True, nogil=True)
+def _situ1(g, u, beta, lb, has_lb, buf, out):
+    n = g.size
+    _situ_pre(g, u, beta, lb, has_lb, buf)
+    t = buf[:2 * n] if has_lb else buf[:n]
+    vtanh(t, t)
+    e = buf[2 * n:]
+    vexp(e, e)
+    _situ_post(buf, u, beta, lb, has_lb, out)
+
+
 def _array(x) -> np.ndarray:
     """x (a float32 tensor or array) as a C-contiguous float32 numpy array of its shape
     (a view when x is contiguous)."""
@@ -522,11 +571,20 @@ def _flat(x) -> np.ndarray:
     return _array(x).reshape(-1)
 
 
+@njit(cache=True, nogil=True)
+def _neg_exp(x, out):
+    _neg(x, out)
+    vexp(out, out)
+
+
 def _exp_neg(xn: np.ndarray) -> np.ndarray:
-    """exp(-x) for a flat float32 array: the negation compiled, torch's exp in place."""
+    """exp(-x) for a flat float32 array: the negation compiled, torch's exp."""
     e = np.empty_like(xn)
-    _neg(xn, e)
-    torch.from_numpy(e).exp_()
+    if USE_VML:
+        _neg_exp(xn, e)
+    else:
+        _neg(xn, e)
+        torch.from_numpy(e).exp_()
     return e
 
 
@@ -534,7 +592,10 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)) per element: -x, torch's exp, + 1, 1 / that (in that order)."""
     xn = _flat(x)
     out = np.empty_like(xn)
-    _sigmoid_post(_exp_neg(xn), out)
+    if USE_VML:
+        _sigmoid1(xn, out)
+    else:
+        _sigmoid_post(_exp_neg(xn), out)
     return torch.from_numpy(out.reshape(x.shape))
 
 
@@ -542,7 +603,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """x / (1 + exp(-x)) per element."""
     xn = _flat(x)
     out = np.empty_like(xn)
-    _silu_post(xn, _exp_neg(xn), out)
+    if USE_VML:
+        _silu1(xn, out)
+    else:
+        _silu_post(xn, _exp_neg(xn), out)
     return torch.from_numpy(out.reshape(x.shape))
 
 
@@ -552,7 +616,10 @@ def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     if on.size != zn.size:
         raise ValueError(f"gate: {tuple(o.shape)} and {tuple(z.shape)} differ")
     out = np.empty_like(on)
-    _gate_post(on, _exp_neg(zn), out)
+    if USE_VML:
+        _gate1(on, zn, out)
+    else:
+        _gate_post(on, _exp_neg(zn), out)
     return torch.from_numpy(out.reshape(o.shape))
 
 
@@ -560,7 +627,10 @@ def silu_glu(g, u) -> torch.Tensor:
     """silu(g) * u per element (g and u float32 tensors or arrays of one shape)."""
     gn, un = _flat(g), _flat(u)
     out = np.empty_like(gn)
-    _silu_glu_post(gn, _exp_neg(gn), un, out)
+    if USE_VML:
+        _silu_glu1(gn, un, out)
+    else:
+        _silu_glu_post(gn, _exp_neg(gn), un, out)
     return torch.from_numpy(out.reshape(g.shape))
 
 
@@ -574,11 +644,14 @@ def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
     has_lb = linear_beta is not None
     b, lb = np.float32(beta), np.float32(linear_beta if has_lb else 1.0)
     buf = np.empty(3 * n, np.float32)
-    _situ_pre(gn, un, b, lb, has_lb, buf)
-    torch.from_numpy(buf[:2 * n if has_lb else n]).tanh_()   # (numpy slices cost less than torch's)
-    torch.from_numpy(buf[2 * n:]).exp_()
     out = np.empty_like(gn)
-    _situ_post(buf, un, b, lb, has_lb, out)
+    if USE_VML:
+        _situ1(gn, un, b, lb, has_lb, buf, out)
+    else:
+        _situ_pre(gn, un, b, lb, has_lb, buf)
+        torch.from_numpy(buf[:2 * n if has_lb else n]).tanh_()   # (numpy slices cost less than torch's)
+        torch.from_numpy(buf[2 * n:]).exp_()
+        _situ_post(buf, un, b, lb, has_lb, out)
     return torch.from_numpy(out.reshape(g.shape))
 
 
@@ -614,6 +687,12 @@ def _route_topk(e, bias, k, ids, wts):
 
 
 @njit(cache=True, nogil=True)
+def _route_topk1(x, bias, k, ids, wts, e):
+    _neg_exp(x, e)                                        # flat [T * E]
+    _route_topk(e.reshape(ids.shape[0], -1), bias, k, ids, wts)
+
+
+@njit(cache=True, nogil=True)
 def _route_scale(wts, total, renorm, scale):
     T, k = wts.shape
     tiny = np.float32(1e-20)
@@ -637,17 +716,89 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
     T, E = logits.shape
     if not 0 < k <= E:
         raise ValueError(f"route_topk: k = {k} experts of {E}")
-    e = _exp_neg(_flat(logits)).reshape(T, E)
     bn = _NO_GAIN if bias is None else described(bias, _f32_vector)
     if bn.shape[0] not in (0, E):
         raise ValueError(f"route_topk: bias of {bn.shape[0]} experts, logits of {E}")
     ids = np.empty((T, k), np.int64)
     wts = np.empty((T, k), np.float32)
-    _route_topk(e, bn, k, ids, wts)
+    if USE_VML:
+        xn = _flat(logits)
+        _route_topk1(xn, bn, k, ids, wts, np.empty_like(xn))
+    else:
+        _route_topk(_exp_neg(_flat(logits)).reshape(T, E), bn, k, ids, wts)
     w = torch.from_numpy(wts)
     total = w.sum(-1, keepdim=True).numpy() if renorm else wts[:, :1]
     _route_scale(wts, total, renorm, np.float32(scale))
     return torch.from_numpy(ids), w
+
+
+# ------------------------------------------------------------------ online softmax
+@njit(cache=True, nogil=True)
+def _softmax_pre(sc, m, m_new, corr):
+    R, n = sc.shape
+    nan = np.float32(np.nan)
+    for r in range(R):
+        mx = -np.inf
+        seen_nan = False
+        for j in range(n):                                 # amax: NaN if any element is NaN
+            v = sc[r, j]
+            if v != v:
+                seen_nan = True
+            elif v > mx:
+                mx = v
+        a = m[r]
+        mn = nan if (seen_nan or a != a) else np.float32(max(a, mx))   # torch.maximum
+        m_new[r] = mn
+        for j in range(n):
+            sc[r, j] = sc[r, j] - mn
+        corr[r] = a - mn
+
+
+@njit(cache=True, nogil=True)
+def _softmax_pre1(sc, m, m_new, corr):
+    _softmax_pre(sc, m, m_new, corr)
+    e = sc.reshape(-1)
+    vexp(e, e)
+    vexp(corr, corr)
+
+
+def softmax_tile(sc: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key tile of an online softmax: scores sc [..., n] (a fresh float32 tensor,
+    overwritten), running maxima m [..., 1]. Returns (p = exp(sc - m_new), m_new =
+    torch.maximum(m, sc.amax(-1)), corr = exp(m - m_new)): torch's chain, each
+    subtraction rounded, exp torch's, in one compiled call (NaN as torch propagates it;
+    a signed zero in m_new cannot change a result: exp(+-0) = 1)."""
+    shape = sc.shape
+    scn = _array(sc).reshape(-1, shape[-1])
+    mn = _flat(m)
+    m_new = np.empty_like(mn)
+    corr = np.empty_like(mn)
+    if USE_VML:
+        _softmax_pre1(scn, mn, m_new, corr)
+    else:
+        _softmax_pre(scn, mn, m_new, corr)
+        torch.from_numpy(scn).exp_()
+        torch.from_numpy(corr).exp_()
+    mshape = m.shape
+    return torch.from_numpy(scn.reshape(shape)), torch.from_numpy(m_new.reshape(mshape)), \
+        torch.from_numpy(corr.reshape(mshape))
+
+
+@njit(cache=True, nogil=True)
+def _softmax_merge(den, acc, corr, s, v):
+    R, dv = acc.shape
+    for r in range(R):
+        c = corr[r]
+        den[r] = den[r] * c + s[r]
+        for i in range(dv):
+            acc[r, i] = acc[r, i] * c + v[r, i]
+
+
+def softmax_merge(den: torch.Tensor, acc: torch.Tensor, corr: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> None:
+    """In place: den = den * corr + s and acc = acc * corr + v (den, corr, s [..., 1];
+    acc, v [..., dv]; each product rounded before the sum), an online softmax's update."""
+    dv = acc.shape[-1]
+    _softmax_merge(_flat(den), acc.numpy().reshape(-1, dv), _flat(corr), _flat(s), _array(v).reshape(-1, dv))
 
 
 # ------------------------------------------------------------------ KDA's conv and decay
@@ -687,6 +838,25 @@ def _short_convs1(x0, w0, s0, acc, neg, n0):
     _conv_stream(x0, w0, s0, acc, neg, n0, 0)
 
 
+@njit(cache=True, nogil=True)
+def _conv_silu(acc, neg):
+    flat, e = acc.reshape(-1), neg.reshape(-1)
+    vexp(e, e)
+    _silu_post(flat, e, flat)                           # in place: each element reads itself first
+
+
+@njit(cache=True, nogil=True)
+def _short_convs3_silu(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2):
+    _short_convs3(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2)
+    _conv_silu(acc, neg)
+
+
+@njit(cache=True, nogil=True)
+def _short_convs1_silu(x0, w0, s0, acc, neg, n0):
+    _conv_stream(x0, w0, s0, acc, neg, n0, 0)
+    _conv_silu(acc, neg)
+
+
 def _conv_taps(w: torch.Tensor) -> np.ndarray:
     """Conv taps [C, 1, K] as fp32 [K, C] (one row per tap: the inner loop runs along C)."""
     return np.ascontiguousarray(w.to(torch.float32).reshape(w.shape[0], -1).numpy().T)
@@ -708,15 +878,21 @@ def short_convs_silu(xs, ws, states):
     acc = np.empty((T, sum(cs)), np.float32)
     e = np.empty_like(acc)
     xn = [_array(x) for x in xs]
-    if len(xs) == 3:
-        _short_convs3(*xn, *wn, *sn, acc, e, *news)
-    elif len(xs) == 1:
-        _short_convs1(xn[0], wn[0], sn[0], acc, e, news[0])
-    else:
+    if len(xs) not in (1, 3):
         raise ValueError(f"short_convs_silu: {len(xs)} streams (KDA has 3; 1 for a single conv)")
-    torch.from_numpy(e).exp_()
-    flat = acc.reshape(-1)
-    _silu_post(flat, e.reshape(-1), flat)               # in place: each element reads itself first
+    if USE_VML:
+        if len(xs) == 3:
+            _short_convs3_silu(*xn, *wn, *sn, acc, e, *news)
+        else:
+            _short_convs1_silu(xn[0], wn[0], sn[0], acc, e, news[0])
+    else:
+        if len(xs) == 3:
+            _short_convs3(*xn, *wn, *sn, acc, e, *news)
+        else:
+            _short_convs1(xn[0], wn[0], sn[0], acc, e, news[0])
+        torch.from_numpy(e).exp_()
+        flat = acc.reshape(-1)
+        _silu_post(flat, e.reshape(-1), flat)           # in place: each element reads itself first
     outs, off = [], 0
     for c in cs:                                        # numpy's column slices cost less than torch's
         outs.append(torch.from_numpy(acc[:, off:off + c]))
@@ -767,6 +943,24 @@ def _decay_softplus_post(x, y, u, lu, A, H, g):
             g[i] = (-A[j // dk]) * sp
 
 
+@njit(cache=True, nogil=True)
+def _decay_lb1(un, dtb, A, H, lb, buf, g):
+    _decay_pre(un, dtb, A, H, True, buf, buf)
+    e = buf.reshape(-1)
+    vexp(e, e)
+    _decay_lb_post(e, lb, g.reshape(-1))
+
+
+@njit(cache=True, nogil=True)
+def _decay_softplus1(un, dtb, A, H, x, buf, v, lv, g):
+    _decay_pre(un, dtb, A, H, False, x, buf)
+    y, v1, lv1 = buf.reshape(-1), v.reshape(-1), lv.reshape(-1)
+    vexp(y, y)
+    _one_plus(y, v1)
+    vlog(v1, lv1)
+    _decay_softplus_post(x, y, v1, lv1, A, H, g.reshape(-1))
+
+
 def _exp_vector(a: torch.Tensor) -> np.ndarray:
     return torch.exp(a.reshape(-1).to(torch.float32)).numpy()
 
@@ -789,6 +983,13 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     g = np.empty((T, HD), np.float32)
     lb_mode = lower_bound is not None
     x = buf if lb_mode else np.empty((T, HD), np.float32)
+    if USE_VML:
+        if lb_mode:
+            _decay_lb1(un, dtb, A, n_heads, np.float32(lower_bound), buf, g)
+        else:
+            v = np.empty((T, HD), np.float32)
+            _decay_softplus1(un, dtb, A, n_heads, x, buf, v, np.empty_like(v), g)
+        return torch.from_numpy(g.reshape(T, n_heads, HD // n_heads))
     _decay_pre(un, dtb, A, n_heads, lb_mode, x, buf)
     torch.from_numpy(buf).exp_()
     if lb_mode:

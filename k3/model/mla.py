@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .fused import dots, prods
+from .fused import dots, prods, softmax_merge, softmax_tile
 from .ops import gate as output_gate, linear, linears, rms_norm
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -42,7 +42,6 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
     q_tile = max(1, SCORE_TILE_BYTES // (H * K_TILE * 4))
     for t0 in range(0, T, q_tile):
         t1 = min(T, t0 + q_tile)
-        pos = torch.arange(t0, t1) + past  # absolute positions of these queries
         m = like.new_full((H, t1 - t0, 1), float("-inf"))
         den = like.new_zeros(H, t1 - t0, 1)
         acc = like.new_zeros(H, t1 - t0, dv)
@@ -50,13 +49,12 @@ def _online_softmax(T: int, H: int, past: int, scores, values, dv: int, like: to
             s1 = min(past + t1, s0 + K_TILE)
             sc = scores(t0, t1, s0, s1)
             if s1 - 1 > past + t0:  # some key lies past the first query's position (never at decode)
+                pos = torch.arange(t0, t1) + past  # absolute positions of these queries
                 sc = sc.masked_fill(torch.arange(s0, s1).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
-            m_new = torch.maximum(m, sc.amax(-1, keepdim=True))  # finite: key 0 is in every query's first tile
-            p = torch.exp(sc - m_new)
-            corr = torch.exp(m - m_new)
-            den = den * corr + p.sum(-1, keepdim=True)
-            acc = acc * corr + values(p, t0, t1, s0, s1)
-            m = m_new
+            # m_new = max(m, amax(sc)) (finite: key 0 is in every query's first tile),
+            # p = exp(sc - m_new), corr = exp(m - m_new); den, acc rescaled and summed
+            p, m, corr = softmax_tile(sc, m)
+            softmax_merge(den, acc, corr, p.sum(-1, keepdim=True), values(p, t0, t1, s0, s1))
         out[t0:t1] = (acc / den).transpose(0, 1)
     return out
 

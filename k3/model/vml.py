@@ -1,0 +1,103 @@
+"""torch's own exp, tanh and log, callable from compiled (numba) code.
+
+On x86 torch's CPU build runs its unary exp / tanh / log on contiguous float32 through
+MKL's vector math library (VML, linked into libtorch_cpu), per element and whatever
+the position in the array. Calling the same exported entry points (``vmsExp_64``,
+``vmsTanh_64``, ``vmsLn_64``) from a compiled pass gives the same bits as torch, without
+leaving the compiled code: a chain such as sigmoid or SiTU-GLU becomes one call instead
+of compiled pass + torch op + compiled pass (k3.model.fused).
+
+The library is found beside torch and bound by name (``llvmlite.binding``), so compiled
+functions that use it can be cached across processes. ``AVAILABLE`` is True only when
+the symbols resolve AND a self-check gives torch's bits for every element of a vector of
+random and special values (infinities, NaN, signed zeros, subnormals, the overflow and
+underflow edges) at several lengths and offsets; otherwise the fused ops keep calling
+torch between two compiled passes (a torch build without MKL, another architecture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import torch
+from numba import njit, types
+
+#: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: ATen's mode for its VML calls
+_MODE = 0x2 | 0x140000 | 0x100
+_NAMES = {"exp": "vmsExp_64", "tanh": "vmsTanh_64", "log": "vmsLn_64"}
+
+
+def _library() -> str | None:
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(lib):
+        return None
+    try:
+        handle = ctypes.CDLL(lib)
+        if not all(hasattr(handle, n) for n in _NAMES.values()):
+            return None
+        import llvmlite.binding as llb
+        llb.load_library_permanently(lib)
+    except (OSError, RuntimeError):
+        return None
+    return lib
+
+
+_LIB = _library()
+
+_SIG = types.void(types.int64, types.CPointer(types.float32), types.CPointer(types.float32), types.int64)
+_vms_exp = types.ExternalFunction(_NAMES["exp"], _SIG)
+_vms_tanh = types.ExternalFunction(_NAMES["tanh"], _SIG)
+_vms_log = types.ExternalFunction(_NAMES["log"], _SIG)
+
+
+@njit(cache=True, nogil=True)
+def vexp(a, out):
+    """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a)."""
+    _vms_exp(a.size, a.ctypes, out.ctypes, _MODE)
+
+
+@njit(cache=True, nogil=True)
+def vtanh(a, out):
+    """out[i] = tanh(a[i]), as vexp."""
+    _vms_tanh(a.size, a.ctypes, out.ctypes, _MODE)
+
+
+@njit(cache=True, nogil=True)
+def vlog(a, out):
+    """out[i] = log(a[i]), as vexp."""
+    _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
+
+
+def _probe_values() -> np.ndarray:
+    f = np.float32
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 88.72283, 88.72284, 89.0, -87.33655,
+                        -103.97208, -104.0, -150.0, 1e-45, -1e-45, 1.17549435e-38, 3.4028235e38, -3.4028235e38,
+                        0.5, 2.0, 1e-8, -1e-8, 9.0, -9.0, 20.0, 1e-30], f)
+    rng = np.random.default_rng(20261202)
+    rand = np.concatenate([rng.standard_normal(3000) * 4, rng.standard_normal(1000) * 60,
+                           rng.uniform(-1e-3, 1e-3, 500), np.exp(rng.uniform(-80, 80, 500))]).astype(f)
+    return np.concatenate([special, rand, -rand[:500]])
+
+
+def _self_check() -> bool:
+    if _LIB is None:
+        return False
+    x = _probe_values()
+    for fn, ref in ((vexp, torch.exp), (vtanh, torch.tanh), (vlog, torch.log)):
+        want = ref(torch.from_numpy(x)).numpy().view(np.int32)
+        for start, stop in ((0, x.size), (1, x.size), (3, 20), (7, 8), (5, 1029)):
+            got = np.empty(stop - start, np.float32)
+            fn(np.ascontiguousarray(x[start:stop]), got)
+            if not np.array_equal(got.view(np.int32), want[start:stop]):
+                return False
+        inplace = x.copy()
+        fn(inplace, inplace)
+        if not np.array_equal(inplace.view(np.int32), want):
+            return False
+    return True
+
+
+#: whether vexp / vtanh / vlog give torch's bits in this process (checked at import)
+AVAILABLE = _self_check()
