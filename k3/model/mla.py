@@ -63,7 +63,7 @@ def attend(q, k, v, past: int, scale: float) -> torch.Tensor:
     """Causal softmax attention, fp32. q [T, H, dk] for absolute positions past..past+T-1;
     k [S, H, dk], v [S, H, dv] for positions 0..S-1. Returns [T, H, dv]."""
     T, H, dk = q.shape
-    S, dv = k.shape[0], v.shape[-1]
+    dv = v.shape[-1]
     q2, k2, v2 = (a.contiguous().view(a.shape[0], -1) for a in (q, k, v))
     return _online_softmax(
         T, H, past,
