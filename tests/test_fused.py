@@ -161,7 +161,7 @@ def _moe_case(arch, fmt, seed):
 
 @pytest.mark.parametrize("arch,fmt", [("k3", "mxfp4"), ("kimi_linear", "bf16"), ("k3", "bf16")])
 @pytest.mark.parametrize("T", [1, 6])
-def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads):
+def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads, math_form):
     cfg, tensors, g, d = _moe_case(arch, fmt, T)
     k = cfg.num_experts_per_token
     z = _x(g, T, d)
@@ -171,6 +171,22 @@ def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads):
     assert same(routed_experts(cfg, z, ids, 1, GroupedWeights(cfg, tensors, 3)), ref)
     # a token alone gets the bits it gets in the batch
     assert same(routed_experts(cfg, z[-1:], ids[-1:], 1, DictWeights(cfg, tensors)), ref[-1:])
+
+
+@pytest.mark.parametrize("linear_beta", [None, 0.5])
+def test_routed_experts_situ_forms(linear_beta, math_form):
+    """SiTU-GLU without the linear branch (and with a small one, so tanh saturates),
+    large inputs: the one-call group (its GLU in place in its own buffers) against one
+    expert at a time."""
+    import dataclasses
+    cfg, tensors, g, d = _moe_case("k3", "mxfp4", 5)
+    cfg = dataclasses.replace(cfg, situ_linear_beta=linear_beta)
+    for T in (1, 3):
+        z = _x(g, T, d) * 40.0
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_token]
+                           for _ in range(T)])
+        ref = routed_experts_reference(cfg, z, ids, 1, DictWeights(cfg, tensors))
+        assert same(routed_experts(cfg, z, ids, 1, DictWeights(cfg, tensors)), ref)
 
 
 def test_routed_experts_f32_fixture_weights_fall_back():

@@ -173,13 +173,15 @@ def activation_bytes(cfg, tokens: int) -> int:
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
     kda = cfg.kda_num_heads * cfg.kda_head_dim
     mla = cfg.mla_num_heads * (cfg.qk_head_dim + cfg.qk_head_dim + cfg.v_head_dim)
-    # grouped experts (k3.model.moe.routed_experts): per (token, expert) pair its input
-    # and its contribution, with gate | up and the GLU, or the GLU and the down output;
-    # during an MXFP4 call also the input split into even / odd halves and (AVX2, few
-    # tokens per expert) those halves permuted: 3 inputs' worth beside gate | up
+    # grouped experts (k3.model.moe.routed_experts, fused.expert_ffn): per (token, expert)
+    # pair its input and its contribution (2 e_in) and, by phase: the gate | up call,
+    # gate | up (2 e_mid) and the input split into even / odd halves and (AVX2, few
+    # tokens per expert) those permuted (2 e_in); the GLU, in place in gate | up and its
+    # output (3 e_mid); the down call, the GLU output, its split (2 e_mid) and the down
+    # output (e_in)
     e_in, e_mid = cfg.expert_in, cfg.moe_intermediate_size
     widest = max(6 * kda, 2 * mla, 3 * cfg.intermediate_size, 3 * cfg.shared_width,
-                 cfg.num_experts_per_token * max(2 * e_in + 3 * e_mid, 3 * e_in + 2 * e_mid, 3 * e_in + e_mid))
+                 cfg.num_experts_per_token * max(4 * e_in + 2 * e_mid, 2 * e_in + 3 * e_mid, 3 * e_in + 3 * e_mid))
     per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4

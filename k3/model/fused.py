@@ -25,6 +25,8 @@ from numba.extending import intrinsic
 
 from . import vml
 from .vml import vexp, vlog, vtanh
+from ..quant.bf16 import _as_f32_activations, _bf16_matrix, _launch, grouped_jobs, run_bf16_grouped
+from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_grouped
 from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
                           F32_ONLY, W_DTYPES, c_matrix, counted_loop, described, for_each_nt, make_tile,
                           widen_bf16_vec)
@@ -653,6 +655,126 @@ def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
         torch.from_numpy(buf[2 * n:]).exp_()
         _situ_post(buf, un, b, lb, has_lb, out)
     return torch.from_numpy(out.reshape(g.shape))
+
+
+# ------------------------------------------------------------------ an expert group's FFN
+# The GLU of a group's gate | up output gu = [gate (m) | up (m)] into h (m), its scratch
+# in gu and h themselves: the operations of situ_glu / silu_glu in the same order per
+# element (tanh(g / beta) and tanh(u / lb) in place in gu, exp(-g) in h).
+@njit(cache=True, nogil=True)
+def _glu_pre(gu, h, situ, beta, lb, has_lb):
+    m = h.size
+    g, u, hf = gu[:m], gu[m:2 * m], h.reshape(-1)
+    for i in range(m):
+        hf[i] = -g[i]
+    if situ:
+        for i in range(m):
+            g[i] = g[i] / beta
+        if has_lb:
+            for i in range(m):
+                u[i] = u[i] / lb
+
+
+@njit(cache=True, nogil=True)
+def _glu_post(gu, h, situ, beta, lb, has_lb):
+    m = h.size
+    g, u, hf = gu[:m], gu[m:2 * m], h.reshape(-1)
+    one = np.float32(1.0)
+    if not situ:
+        for i in range(m):
+            hf[i] = (g[i] / (hf[i] + one)) * u[i]
+        return
+    for i in range(m):
+        a = (g[i] * beta) * (one / (hf[i] + one))
+        hf[i] = a * (u[i] * lb if has_lb else u[i])
+
+
+def _glu_tanh_span(m: int, situ: bool, has_lb: bool) -> int:
+    """How much of gu the SiTU's tanh covers (nothing for SiLU)."""
+    return (2 * m if has_lb else m) if situ else 0
+
+
+@njit(cache=True, nogil=True)
+def _glu_into(gu, h, situ, beta, lb, has_lb):
+    _glu_pre(gu, h, situ, beta, lb, has_lb)
+    if situ:
+        m = h.size
+        t = gu[:2 * m] if has_lb else gu[:m]
+        vtanh(t, t)
+    hf = h.reshape(-1)
+    vexp(hf, hf)
+    _glu_post(gu, h, situ, beta, lb, has_lb)
+
+
+@njit(cache=True, nogil=True)
+def _expert_ffn_bf16(x, jobs13, total13, jobs2, total2, n, inter, tmax, situ, beta, lb, has_lb, nth):
+    gu = np.empty(total13, np.float32)
+    run_bf16_grouped(x, jobs13, gu, tmax, nth)
+    h = np.empty((n, inter), np.float32)
+    _glu_into(gu, h, situ, beta, lb, has_lb)
+    gu = gu[:0]                                           # (gate | up is not held during down)
+    y = np.empty(total2, np.float32)
+    run_bf16_grouped(h, jobs2, y, tmax, nth)
+    return y
+
+
+@njit(cache=True, nogil=True)
+def _expert_ffn_mxfp4(x, jobs13, total13, jobs2, total2, n, inter, tmax, situ, beta, lb, has_lb, nth):
+    gu = np.empty(total13, np.float32)
+    run_mxfp4_grouped(x, jobs13, gu, tmax, nth)
+    h = np.empty((n, inter), np.float32)
+    _glu_into(gu, h, situ, beta, lb, has_lb)
+    gu = gu[:0]
+    y = np.empty(total2, np.float32)
+    run_mxfp4_grouped(h, jobs2, y, tmax, nth)
+    return y
+
+
+def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarray:
+    """A group of routed experts: expert g multiplies rows rows[g] = (x0, x1) of x
+    [M, d] (float32) by its gate and up matrices (w1s[g], w3s[g], of one out-size
+    ``inter``), the GLU (SiTU-GLU with situ = (beta, linear_beta), else SiLU-GLU), then
+    its down matrix w2s[g]. Returns the down outputs flat, row-major [pairs, d] in the
+    order of the rows (expert 0's rows first). ``fmt``: "bf16" or "mxfp4", every weight
+    in it.
+
+    ONE compiled call where torch's vector math is callable from compiled code
+    (USE_VML), else the two kernel calls with the GLU's exp / tanh by torch between
+    compiled passes. Either way the GLU works in place in gate | up and its output (no
+    scratch beside them), gate | up is dropped before the down call, and every element
+    has the bits of one linear / GLU call per expert (tests/test_fused.py)."""
+    xn, _ = _as_f32_activations(x)
+    M, K = xn.shape
+    describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
+    inter = described(w1s[0], describe)[0]
+    jobs13, total13, work13, tmax = grouped_jobs(M, K, list(w1s) + list(w3s), describe, list(rows) + list(rows))
+    counts = [b - a for a, b in rows]
+    n = sum(counts)
+    if total13 != 2 * n * inter:
+        raise ValueError(f"expert_ffn: gate and up outputs of {total13} values for {n} pairs of {inter}")
+    at = np.cumsum([0] + counts).tolist()
+    jobs2, total2, work2, _ = grouped_jobs(n, inter, w2s, describe, list(zip(at[:-1], at[1:])))
+    has_lb = situ is not None and situ[1] is not None
+    beta = np.float32(situ[0] if situ is not None else 1.0)
+    lb = np.float32(situ[1] if has_lb else 1.0)
+    act = (situ is not None, beta, lb, has_lb)
+    if USE_VML:
+        kernel = _expert_ffn_bf16 if fmt == "bf16" else _expert_ffn_mxfp4
+        return _launch(kernel, work13 + work2, xn, jobs13, total13, jobs2, total2, n, inter, tmax, *act)
+    run = run_bf16_grouped if fmt == "bf16" else run_mxfp4_grouped
+    gu = np.empty(total13, np.float32)
+    _launch(run, work13, xn, jobs13, gu, tmax)
+    h = np.empty((n, inter), np.float32)
+    _glu_pre(gu, h, *act)
+    span = _glu_tanh_span(h.size, situ is not None, has_lb)
+    if span:
+        torch.from_numpy(gu[:span]).tanh_()
+    torch.from_numpy(h).exp_()
+    _glu_post(gu, h, *act)
+    del gu
+    y = np.empty(total2, np.float32)
+    _launch(run, work2, h, jobs2, y, tmax)
+    return y
 
 
 @njit(cache=True, nogil=True)

@@ -8,8 +8,10 @@ token's result does not depend on which other tokens share the batch.
 
 Routed experts run grouped (:func:`routed_experts`): per group of experts the provider
 hands out, ONE kernel call multiplies every (token, expert) pair by its expert's gate
-and up matrices and one more by the down matrices. Each product has the bits of its own
-call, so this equals a per-expert loop of linear calls bit for bit (tests/test_fused.py).
+and up matrices and one more by the down matrices, with the GLU between them
+(k3.model.fused.expert_ffn: the three steps in one compiled call where torch's vector
+math is callable from compiled code). Each product has the bits of its own call, so
+this equals a per-expert loop of linear calls bit for bit (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fused import route_topk, weighted_sum
-from .ops import glu_act, grouped_linear, linear, linears, mlp, rms_norm
+from .fused import expert_ffn, route_topk, weighted_sum
+from .ops import glu_act, kernel_format, linear, linears, mlp, rms_norm
 
 
 def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +36,9 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
     are one run of rows; gate and up of every expert in one call, the GLU over all
-    pairs at once, down in one call. One token (decode) needs no sort: its k experts
-    are distinct, each reads row 0 of z, and its pairs are already in top-k order."""
+    pairs at once, down in one call (the three in one compiled call, expert_ffn). One
+    token (decode) needs no sort: its k experts are distinct, each reads row 0 of z,
+    and its pairs are already in top-k order."""
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.numpy().reshape(-1)
@@ -51,6 +54,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
         dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
     contrib = z.new_empty(T * k, d)
+    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
     for group in provider.expert_groups(layer, experts):
         es = list(group.items())
         if not es:
@@ -58,20 +62,14 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         rows = [span[e] for e, _ in es]
         pos = [p for e, _ in es for p in dest[e]]
         n = len(pos)
-        inter = es[0][1].w1.shape[0]
-        gu = None
-        if all(ew.w1.shape[0] == inter for _, ew in es):
-            gu = grouped_linear(x, [ew.w1 for _, ew in es] + [ew.w3 for _, ew in es], rows + rows)
-        if gu is None:  # the experts share no kernel format (F32 fixtures): one by one
+        w1s, w3s, w2s = [ew.w1 for _, ew in es], [ew.w3 for _, ew in es], [ew.w2 for _, ew in es]
+        inter = w1s[0].shape[0]
+        fmt = kernel_format(w1s + w3s + w2s) if all(w.shape[0] == inter for w in w1s) else None
+        if fmt is None:  # the experts share no kernel format (F32 fixtures): one by one
             for (e, ew), (a, b) in zip(es, rows):
                 contrib[dest[e]] = linear(glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
             continue
-        gun = gu.numpy()  # the GLU reads numpy halves: no torch slices and views
-        h = glu_act(cfg, gun[:n * inter].reshape(n, inter), gun[n * inter:].reshape(n, inter))
-        del gun
-        del gu  # (the planner's activation bound counts gate | up or the down output, not both)
-        at = np.cumsum([0] + [b - a for a, b in rows]).tolist()
-        y = grouped_linear(h, [ew.w2 for _, ew in es], list(zip(at[:-1], at[1:]))).view(n, d)
+        y = torch.from_numpy(expert_ffn(fmt, x, w1s, w3s, w2s, rows, situ)).view(n, d)
         if n == T * k and pos == list(range(n)):  # one group, in pair order: y is the result
             return y.view(T, k, d)
         contrib[pos] = y

@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return (x.double() @ w.double().T).to(torch.float32)
 
 
-def _kernel_format(ws) -> str | None:
+def kernel_format(ws) -> str | None:
     """"bf16" / "mxfp4" when every weight can go to that grouped kernel, else None."""
     if all(isinstance(w, Mxfp4Weight) for w in ws):
         return "mxfp4"
@@ -54,7 +54,7 @@ def grouped_linear(x: torch.Tensor, ws, rows=None):
     row-major [x1 - x0, out_g], one after another), or None when the weights do not
     share a kernel format (F32 fixtures, streamed row chunks): then the caller runs
     ``linear`` per weight. Each element has the same bits as ``linear`` gives it."""
-    fmt = _kernel_format(ws)
+    fmt = kernel_format(ws)
     if fmt is None or not ws:
         return None
     from ..quant import bf16_grouped, mxfp4_grouped

@@ -720,16 +720,16 @@ _SERIAL_WORK = 1 << 18
 
 
 def _launch(kernel, work, *args):
-    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work."""
+    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work;
+    returns what the kernel returns."""
     nth = numba.get_num_threads()
     if nth > 1 and work < _SERIAL_WORK:
         numba.set_num_threads(1)
         try:
-            kernel(*args, 1)
+            return kernel(*args, 1)
         finally:
             numba.set_num_threads(nth)
-    else:
-        kernel(*args, nth)
+    return kernel(*args, nth)
 
 
 def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
@@ -936,6 +936,23 @@ def pair_split_x(xn: np.ndarray) -> np.ndarray:
     xs = np.empty_like(xn)
     _pair_split_rows(xn, xs)
     return xs
+
+
+@njit(cache=True, nogil=True)
+def run_bf16_grouped(x, jobs, out, tmax, nth):
+    """bf16_grouped's kernel call from compiled code (k3.model.fused): x float32 [M, K]
+    C-contiguous, ``jobs`` from ``job_table`` / ``grouped_jobs`` with its ``tmax``, out
+    its flat float32 output, nth the caller's numba threads."""
+    if out.size == 0:
+        return
+    if x.shape[1] == 0:
+        out[:] = 0.0
+        return
+    xs = x
+    if tmax > 1:
+        xs = np.empty_like(x)
+        _pair_split_rows(x, xs)
+    _bf16_grouped(x, xs, jobs, out, _RB1, _RB, _KC, nth)
 
 
 def bf16_grouped(x, ws, rows=None) -> torch.Tensor:

@@ -855,6 +855,19 @@ def decode_mxfp4(packed, scale) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+@njit(cache=True, nogil=True)
+def run_mxfp4_grouped(x, jobs, out, tmax, nth):
+    """mxfp4_grouped's kernel call from compiled code (k3.model.fused), as
+    ``k3.quant.bf16.run_bf16_grouped`` (tmax unused)."""
+    if out.size == 0:
+        return
+    if x.shape[1] == 0:
+        out[:] = 0.0
+        return
+    xe, xo, xep, xop = _split_x(x, jobs)
+    _mxfp4_grouped(xe, xo, xep, xop, jobs, out, _RB1, _RB, _JC, nth)
+
+
 def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     """Several fused MXFP4 linears in one kernel call. x float32 [M, C]; ws: (packed,
     scale) pairs (or objects with ``.packed`` / ``.scale``, e.g. Mxfp4Weight) of logical
