@@ -25,8 +25,8 @@ from numba.extending import intrinsic
 
 from . import vml
 from .vml import vexp, vlog, vtanh
-from ..quant.bf16 import _as_f32_activations, _bf16_matrix, _launch, grouped_jobs, run_bf16_grouped
-from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_grouped
+from ..quant.bf16 import _as_f32_activations, _bf16_matrix, grouped_jobs, run_bf16_jobs
+from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
                           F32_ONLY, W_DTYPES, c_matrix, counted_loop, described, for_each_nt, make_tile,
                           widen_bf16_vec)
@@ -706,30 +706,6 @@ def _glu_into(gu, h, situ, beta, lb, has_lb):
     _glu_post(gu, h, situ, beta, lb, has_lb)
 
 
-@njit(cache=True, nogil=True)
-def _expert_ffn_bf16(x, jobs13, total13, jobs2, total2, n, inter, tmax, situ, beta, lb, has_lb, nth):
-    gu = np.empty(total13, np.float32)
-    run_bf16_grouped(x, jobs13, gu, tmax, nth)
-    h = np.empty((n, inter), np.float32)
-    _glu_into(gu, h, situ, beta, lb, has_lb)
-    gu = gu[:0]                                           # (gate | up is not held during down)
-    y = np.empty(total2, np.float32)
-    run_bf16_grouped(h, jobs2, y, tmax, nth)
-    return y
-
-
-@njit(cache=True, nogil=True)
-def _expert_ffn_mxfp4(x, jobs13, total13, jobs2, total2, n, inter, tmax, situ, beta, lb, has_lb, nth):
-    gu = np.empty(total13, np.float32)
-    run_mxfp4_grouped(x, jobs13, gu, tmax, nth)
-    h = np.empty((n, inter), np.float32)
-    _glu_into(gu, h, situ, beta, lb, has_lb)
-    gu = gu[:0]
-    y = np.empty(total2, np.float32)
-    run_mxfp4_grouped(h, jobs2, y, tmax, nth)
-    return y
-
-
 def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarray:
     """A group of routed experts: expert g multiplies rows rows[g] = (x0, x1) of x
     [M, d] (float32) by its gate and up matrices (w1s[g], w3s[g], of one out-size
@@ -738,11 +714,13 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     order of the rows (expert 0's rows first). ``fmt``: "bf16" or "mxfp4", every weight
     in it.
 
-    ONE compiled call where torch's vector math is callable from compiled code
-    (USE_VML), else the two kernel calls with the GLU's exp / tanh by torch between
-    compiled passes. Either way the GLU works in place in gate | up and its output (no
-    scratch beside them), gate | up is dropped before the down call, and every element
-    has the bits of one linear / GLU call per expert (tests/test_fused.py)."""
+    Two kernel calls and one compiled GLU between them (torch's exp / tanh called from
+    it where USE_VML allows, else by torch between two compiled passes). The GLU works
+    in place in gate | up and its output (no scratch beside them), gate | up is dropped
+    before the down call, and every element has the bits of one linear / GLU call per
+    expert (tests/test_fused.py). (The kernels stay calls from Python: called from a
+    compiled function, numba would generate each kernel's machine code again into it,
+    minutes of first-run compile for a few tens of microseconds a layer.)"""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
     describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
@@ -758,22 +736,22 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     beta = np.float32(situ[0] if situ is not None else 1.0)
     lb = np.float32(situ[1] if has_lb else 1.0)
     act = (situ is not None, beta, lb, has_lb)
-    if USE_VML:
-        kernel = _expert_ffn_bf16 if fmt == "bf16" else _expert_ffn_mxfp4
-        return _launch(kernel, work13 + work2, xn, jobs13, total13, jobs2, total2, n, inter, tmax, *act)
-    run = run_bf16_grouped if fmt == "bf16" else run_mxfp4_grouped
+    run = run_bf16_jobs if fmt == "bf16" else run_mxfp4_jobs
     gu = np.empty(total13, np.float32)
-    _launch(run, work13, xn, jobs13, gu, tmax)
+    run(xn, jobs13, gu, work13, tmax)
     h = np.empty((n, inter), np.float32)
-    _glu_pre(gu, h, *act)
-    span = _glu_tanh_span(h.size, situ is not None, has_lb)
-    if span:
-        torch.from_numpy(gu[:span]).tanh_()
-    torch.from_numpy(h).exp_()
-    _glu_post(gu, h, *act)
+    if USE_VML:
+        _glu_into(gu, h, *act)
+    else:
+        _glu_pre(gu, h, *act)
+        span = _glu_tanh_span(h.size, situ is not None, has_lb)
+        if span:
+            torch.from_numpy(gu[:span]).tanh_()
+        torch.from_numpy(h).exp_()
+        _glu_post(gu, h, *act)
     del gu
     y = np.empty(total2, np.float32)
-    _launch(run, work2, h, jobs2, y, tmax)
+    run(h, jobs2, y, work2, tmax)
     return y
 
 

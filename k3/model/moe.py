@@ -8,10 +8,9 @@ token's result does not depend on which other tokens share the batch.
 
 Routed experts run grouped (:func:`routed_experts`): per group of experts the provider
 hands out, ONE kernel call multiplies every (token, expert) pair by its expert's gate
-and up matrices and one more by the down matrices, with the GLU between them
-(k3.model.fused.expert_ffn: the three steps in one compiled call where torch's vector
-math is callable from compiled code). Each product has the bits of its own call, so
-this equals a per-expert loop of linear calls bit for bit (tests/test_fused.py).
+and up matrices and one more by the down matrices, with one compiled GLU between them
+(k3.model.fused.expert_ffn). Each product has the bits of its own call, so this equals
+a per-expert loop of linear calls bit for bit (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
     are one run of rows; gate and up of every expert in one call, the GLU over all
-    pairs at once, down in one call (the three in one compiled call, expert_ffn). One
+    pairs at once, down in one call (expert_ffn). One
     token (decode) needs no sort: its k experts are distinct, each reads row 0 of z,
     and its pairs are already in top-k order."""
     T, k = ids.shape

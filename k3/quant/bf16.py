@@ -938,21 +938,17 @@ def pair_split_x(xn: np.ndarray) -> np.ndarray:
     return xs
 
 
-@njit(cache=True, nogil=True)
-def run_bf16_grouped(x, jobs, out, tmax, nth):
-    """bf16_grouped's kernel call from compiled code (k3.model.fused): x float32 [M, K]
-    C-contiguous, ``jobs`` from ``job_table`` / ``grouped_jobs`` with its ``tmax``, out
-    its flat float32 output, nth the caller's numba threads."""
+def run_bf16_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int, tmax: int) -> None:
+    """The kernel call of a job table (``grouped_jobs``: jobs, total, work, tmax) on
+    activations xn (C-contiguous float32 [M, K]) into out (flat float32 of the table's
+    total), as ``bf16_grouped`` makes it; for callers that keep the tables and outputs
+    themselves (k3.model.fused.expert_ffn)."""
     if out.size == 0:
         return
-    if x.shape[1] == 0:
+    if xn.shape[1] == 0:
         out[:] = 0.0
         return
-    xs = x
-    if tmax > 1:
-        xs = np.empty_like(x)
-        _pair_split_rows(x, xs)
-    _bf16_grouped(x, xs, jobs, out, _RB1, _RB, _KC, nth)
+    _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, jobs, out, _RB1, _RB, _KC)
 
 
 def bf16_grouped(x, ws, rows=None) -> torch.Tensor:
@@ -972,11 +968,7 @@ def _bf16_grouped_np(x, ws, rows=None) -> np.ndarray:
     M, K = xn.shape
     jobs, total, work, tmax = grouped_jobs(M, K, ws, _bf16_matrix, rows)
     out = np.empty(total, dtype=np.float32)
-    if total:
-        if K == 0:
-            out[:] = 0.0
-        else:
-            _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, jobs, out, _RB1, _RB, _KC)
+    run_bf16_jobs(xn, jobs, out, work, tmax)
     return out
 
 

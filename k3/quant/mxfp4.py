@@ -855,17 +855,15 @@ def decode_mxfp4(packed, scale) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-@njit(cache=True, nogil=True)
-def run_mxfp4_grouped(x, jobs, out, tmax, nth):
-    """mxfp4_grouped's kernel call from compiled code (k3.model.fused), as
-    ``k3.quant.bf16.run_bf16_grouped`` (tmax unused)."""
+def run_mxfp4_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int, tmax: int = 0) -> None:
+    """The kernel call of a job table on activations xn into out, as ``mxfp4_grouped``
+    makes it (``k3.quant.bf16.run_bf16_jobs``; tmax unused)."""
     if out.size == 0:
         return
-    if x.shape[1] == 0:
+    if xn.shape[1] == 0:
         out[:] = 0.0
         return
-    xe, xo, xep, xop = _split_x(x, jobs)
-    _mxfp4_grouped(xe, xo, xep, xop, jobs, out, _RB1, _RB, _JC, nth)
+    _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
 
 
 def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
@@ -879,11 +877,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     M, C = xn.shape
     jobs, total, work, tmax = grouped_jobs(M, C, ws, _mxfp4_weight, rows)
     out = np.empty(total, dtype=np.float32)
-    if total:
-        if C == 0:
-            out[:] = 0.0
-        else:
-            _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
+    run_mxfp4_jobs(xn, jobs, out, work)
     return torch.from_numpy(out)
 
 
