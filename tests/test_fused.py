@@ -356,7 +356,10 @@ def test_fused_kda_decay(T, threads, math_form):
     for a_log in (torch.randn(H, generator=g), torch.randn(128, generator=g).to(torch.bfloat16)):  # K3 pads A_log
         for dt_bias in (torch.randn(H * dk, generator=g), torch.randn(H * dk, generator=g).to(torch.bfloat16)):
             for lb in (-5.0, None):
-                assert same(kda.kda_decay(u, a_log, dt_bias, H, lb), ref_kda_decay(u, a_log, dt_bias, H, lb))
+                ref = ref_kda_decay(u, a_log, dt_bias, H, lb)
+                assert same(kda.kda_decay(u, a_log, dt_bias, H, lb), ref)
+                g2, eg = fused.kda_decay(u, a_log, dt_bias, H, lb, with_exp=True)  # the recurrence's exp(g)
+                assert same(g2, ref) and same(eg, torch.exp(ref))
 
 
 def ref_sumsq(x):
@@ -450,6 +453,8 @@ def test_fused_norms_and_sums(T, threads):
         assert same(ops.rms_norm(x, None, eps), ref_rms_norm(x, None, eps))
         x3 = x.reshape(T, 3, 100)
         assert same(ops.l2_norm(x3, eps), ref_l2_norm(x3, eps))
+        for scale in (x3.shape[-1] ** -0.5, 0.1, 3.0):   # KDA's query scale, fused
+            assert same(ops.l2_norm(x3, eps, scale), ref_l2_norm(x3, eps) * scale)
         for n in (7, 263):  # shorter than one lane round; a tail of seven
             assert same(ops.rms_norm(x[:, :n], w[:n], eps), ref_rms_norm(x[:, :n], w[:n], eps))
     c = torch.randn(T, 8, d, generator=g)

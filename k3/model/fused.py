@@ -1044,21 +1044,25 @@ def _decay_softplus_post(x, y, u, lu, A, H, g):
 
 
 @njit(cache=True, nogil=True)
-def _decay_lb1(un, dtb, A, H, lb, buf, g):
+def _decay_lb1(un, dtb, A, H, lb, buf, g, eg):
     _decay_pre(un, dtb, A, H, True, buf, buf)
     e = buf.reshape(-1)
     vexp(e, e)
     _decay_lb_post(e, lb, g.reshape(-1))
+    if eg.size:                                           # exp(g) too, for the recurrence
+        vexp(g.reshape(-1), eg)
 
 
 @njit(cache=True, nogil=True)
-def _decay_softplus1(un, dtb, A, H, x, buf, v, lv, g):
+def _decay_softplus1(un, dtb, A, H, x, buf, v, lv, g, eg):
     _decay_pre(un, dtb, A, H, False, x, buf)
     y, v1, lv1 = buf.reshape(-1), v.reshape(-1), lv.reshape(-1)
     vexp(y, y)
     _one_plus(y, v1)
     vlog(v1, lv1)
     _decay_softplus_post(x, y, v1, lv1, A, H, g.reshape(-1))
+    if eg.size:
+        vexp(g.reshape(-1), eg)
 
 
 def _exp_vector(a: torch.Tensor) -> np.ndarray:
@@ -1066,13 +1070,15 @@ def _exp_vector(a: torch.Tensor) -> np.ndarray:
 
 
 def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_heads: int,
-              lower_bound: float | None) -> torch.Tensor:
+              lower_bound: float | None, with_exp: bool = False):
     """KDA's log-space decay g [T, H, dk] from the raw gate u [T, H * dk] (formulas in
     k3.model.kda.kda_decay), with A = torch's exp of A_log (kept per weight), x = u +
     dt_bias. K3: lower_bound * (1 / (exp(-(A x)) + 1)). Kimi-Linear: (-A) * softplus(x),
     softplus(x) = x above 20, else with y = exp(min(x, 20)), v = 1 + y:
     y where v == 1, else (log(v) * y) / (v - 1). exp and log are torch's, one call each
-    over all the elements; every other operation compiled, in that order."""
+    over all the elements; every other operation compiled, in that order. ``with_exp``:
+    returns (g, exp(g)), torch's exp of g made in the same call (the recurrence's
+    per-step decay factors)."""
     T, HD = u.shape
     A = described(a_log, _exp_vector)
     if A.shape[0] < n_heads or HD % n_heads:
@@ -1083,13 +1089,16 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     g = np.empty((T, HD), np.float32)
     lb_mode = lower_bound is not None
     x = buf if lb_mode else np.empty((T, HD), np.float32)
+    shape = (T, n_heads, HD // n_heads)
     if USE_VML:
+        eg = np.empty(T * HD if with_exp else 0, np.float32)
         if lb_mode:
-            _decay_lb1(un, dtb, A, n_heads, np.float32(lower_bound), buf, g)
+            _decay_lb1(un, dtb, A, n_heads, np.float32(lower_bound), buf, g, eg)
         else:
             v = np.empty((T, HD), np.float32)
-            _decay_softplus1(un, dtb, A, n_heads, x, buf, v, np.empty_like(v), g)
-        return torch.from_numpy(g.reshape(T, n_heads, HD // n_heads))
+            _decay_softplus1(un, dtb, A, n_heads, x, buf, v, np.empty_like(v), g, eg)
+        gt = torch.from_numpy(g.reshape(shape))
+        return (gt, torch.from_numpy(eg.reshape(shape))) if with_exp else gt
     _decay_pre(un, dtb, A, n_heads, lb_mode, x, buf)
     torch.from_numpy(buf).exp_()
     if lb_mode:
@@ -1099,4 +1108,5 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
         _one_plus(buf.reshape(-1), v.reshape(-1))
         lv = torch.log(torch.from_numpy(v)).numpy()
         _decay_softplus_post(x, buf.reshape(-1), v.reshape(-1), lv.reshape(-1), A, n_heads, g.reshape(-1))
-    return torch.from_numpy(g.reshape(T, n_heads, HD // n_heads))
+    gt = torch.from_numpy(g.reshape(shape))
+    return (gt, torch.exp(gt)) if with_exp else gt

@@ -33,16 +33,16 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     return fused_kda_decay(u, a_log, dt_bias, n_heads, lower_bound)
 
 
-def kda_recurrent(q, k, v, g, beta, state, into: torch.Tensor | None = None):
+def kda_recurrent(q, k, v, g, beta, state, into: torch.Tensor | None = None, eg: torch.Tensor | None = None):
     """q, k [T, H, dk] (q already scaled), v [T, H, dv], g [T, H, dk] log-decay,
     beta [T, H], state [H, dk, dv] or None (never written). Returns (o [T, H, dv], the
     new state), the new state written into ``into`` when given (a buffer nobody else
-    holds, of the state's shape)."""
+    holds, of the state's shape). ``eg``: torch.exp(g) when the caller has it."""
     T, H, dk = k.shape
     dv = v.shape[-1]
     S = q.new_zeros(H, dk, dv) if state is None else state.contiguous()
     c = torch.Tensor.contiguous
-    return kda_recurrent_steps(S, torch.exp(g).contiguous(), c(k), c(beta), c(v), c(q), into)
+    return kda_recurrent_steps(S, c(torch.exp(g) if eg is None else eg), c(k), c(beta), c(v), c(q), into)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -199,7 +199,7 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
         "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]])
     (q, k, v), (st.conv_q, st.conv_k, st.conv_v) = short_convs(
         [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v])
-    q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS) * (D ** -0.5)
+    q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS, D ** -0.5)
     k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
     v = v.reshape(T, H, -1)
     f_b = w["self_attn.f_b_proj.weight"]
@@ -213,18 +213,23 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
             u, z = linear(f_a, f_b), linear(z, g_b)
         else:
             u, z = flat[:T * f_b.shape[0]].view(T, -1), flat[T * f_b.shape[0]:].view(T, -1)
-    g = kda_decay(u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound)
-    beta = sigmoid(b)  # [T, H]
     if chunked is None:
         chunked = T >= CHUNK_MIN_T
     if st.record is not None:  # a pass that may be rolled back (speculative verification)
         chunked = False
+    a_log, dt_bias = w["self_attn.A_log"], w["self_attn.dt_bias"]
+    if chunked:
+        g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
+    else:  # the recurrent form also takes exp(g), made in the decay's own call
+        g, eg = fused_kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound, with_exp=True)
+    beta = sigmoid(b)  # [T, H]
+    if st.record is not None:
         st.record.update(q_in=q_in, k_in=k_in, v_in=v_in, q=q, k=k, v=v, g=g, beta=beta,
                          conv_len=w["self_attn.q_conv1d.weight"].shape[-1] - 1)
     if chunked:
         o, S = kda_chunked(q, k, v, g, beta, st.S)
     else:
-        o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])))
+        o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])), eg=eg)
     st.advance(S)
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
