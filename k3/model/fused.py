@@ -25,11 +25,10 @@ from numba.extending import intrinsic
 
 from . import vml
 from .vml import vexp, vlog, vtanh
-from ..quant.bf16 import _as_f32_activations, _bf16_matrix, grouped_jobs, run_bf16_jobs
+from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _as_f32_activations, _bf16_matrix, _data_ptr,
+                          _fma, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
+                          described, for_each_nt, grouped_jobs, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
-from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore,
-                          F32_ONLY, W_DTYPES, c_matrix, counted_loop, described, for_each_nt, make_tile,
-                          widen_bf16_vec)
 
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
 _SERIAL = 1 << 16
@@ -484,37 +483,10 @@ def _silu_post(x, e, out):
 
 
 @njit(cache=True, nogil=True)
-def _silu_glu_post(g, e, u, out):
-    one = np.float32(1.0)
-    for i in range(g.size):
-        out[i] = (g[i] / (e[i] + one)) * u[i]
-
-
-@njit(cache=True, nogil=True)
 def _gate_post(o, e, out):
     one = np.float32(1.0)
     for i in range(o.size):
         out[i] = o[i] * (one / (e[i] + one))
-
-
-@njit(cache=True, nogil=True)
-def _situ_pre(g, u, beta, lb, has_lb, buf):
-    n = g.size
-    for i in range(n):
-        buf[i] = g[i] / beta
-        buf[2 * n + i] = -g[i]
-    if has_lb:
-        for i in range(n):
-            buf[n + i] = u[i] / lb
-
-
-@njit(cache=True, nogil=True)
-def _situ_post(buf, u, beta, lb, has_lb, out):
-    n = out.size
-    one = np.float32(1.0)
-    for i in range(n):
-        a = (buf[i] * beta) * (one / (buf[2 * n + i] + one))
-        out[i] = a * (buf[n + i] * lb if has_lb else u[i])
 
 
 @njit(cache=True, nogil=True)
@@ -536,24 +508,6 @@ def _gate1(o, z, out):
     _neg(z, out)
     vexp(out, out)
     _gate_post(o, out, out)
-
-
-@njit(cache=True, nogil=True)
-def _silu_glu1(g, u, out):
-    _neg(g, out)
-    vexp(out, out)
-    _silu_glu_post(g, out, u, out)
-
-
-@njit(cache=True, nogil=True)
-def _situ1(g, u, beta, lb, has_lb, buf, out):
-    n = g.size
-    _situ_pre(g, u, beta, lb, has_lb, buf)
-    t = buf[:2 * n] if has_lb else buf[:n]
-    vtanh(t, t)
-    e = buf[2 * n:]
-    vexp(e, e)
-    _situ_post(buf, u, beta, lb, has_lb, out)
 
 
 def _array(x) -> np.ndarray:
@@ -580,13 +534,11 @@ def _neg_exp(x, out):
 
 
 def _exp_neg(xn: np.ndarray) -> np.ndarray:
-    """exp(-x) for a flat float32 array: the negation compiled, torch's exp."""
+    """exp(-x) for a flat float32 array: the negation compiled, torch's exp in place
+    (the form without USE_VML)."""
     e = np.empty_like(xn)
-    if USE_VML:
-        _neg_exp(xn, e)
-    else:
-        _neg(xn, e)
-        torch.from_numpy(e).exp_()
+    _neg(xn, e)
+    torch.from_numpy(e).exp_()
     return e
 
 
@@ -625,38 +577,6 @@ def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.reshape(o.shape))
 
 
-def silu_glu(g, u) -> torch.Tensor:
-    """silu(g) * u per element (g and u float32 tensors or arrays of one shape)."""
-    gn, un = _flat(g), _flat(u)
-    out = np.empty_like(gn)
-    if USE_VML:
-        _silu_glu1(gn, un, out)
-    else:
-        _silu_glu_post(gn, _exp_neg(gn), un, out)
-    return torch.from_numpy(out.reshape(g.shape))
-
-
-def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))
-    per element (the last factor u itself when linear_beta is None), each operation
-    rounded in that order; g / beta and u / linear_beta go through one torch tanh, -g
-    through one torch exp. g, u: float32 tensors or arrays of one shape."""
-    gn, un = _flat(g), _flat(u)
-    n = gn.size
-    has_lb = linear_beta is not None
-    b, lb = np.float32(beta), np.float32(linear_beta if has_lb else 1.0)
-    buf = np.empty(3 * n, np.float32)
-    out = np.empty_like(gn)
-    if USE_VML:
-        _situ1(gn, un, b, lb, has_lb, buf, out)
-    else:
-        _situ_pre(gn, un, b, lb, has_lb, buf)
-        torch.from_numpy(buf[:2 * n if has_lb else n]).tanh_()   # (numpy slices cost less than torch's)
-        torch.from_numpy(buf[2 * n:]).exp_()
-        _situ_post(buf, un, b, lb, has_lb, out)
-    return torch.from_numpy(out.reshape(g.shape))
-
-
 # ------------------------------------------------------------------ an expert group's FFN
 # The GLU of a group's gate | up output gu = [gate (m) | up (m)] into h (m), its scratch
 # in gu and h themselves: the operations of situ_glu / silu_glu in the same order per
@@ -689,11 +609,6 @@ def _glu_post(gu, h, situ, beta, lb, has_lb):
         hf[i] = a * (u[i] * lb if has_lb else u[i])
 
 
-def _glu_tanh_span(m: int, situ: bool, has_lb: bool) -> int:
-    """How much of gu the SiTU's tanh covers (nothing for SiLU)."""
-    return (2 * m if has_lb else m) if situ else 0
-
-
 @njit(cache=True, nogil=True)
 def _glu_into(gu, h, situ, beta, lb, has_lb):
     _glu_pre(gu, h, situ, beta, lb, has_lb)
@@ -706,6 +621,43 @@ def _glu_into(gu, h, situ, beta, lb, has_lb):
     _glu_post(gu, h, situ, beta, lb, has_lb)
 
 
+def _glu(gu: np.ndarray, h: np.ndarray, situ: bool, beta, lb, has_lb: bool) -> None:
+    """h = GLU(gate | up = gu) (float32, gu flat of 2 * h.size; gu is overwritten): one
+    compiled call with USE_VML, else torch's tanh / exp between two compiled passes."""
+    if USE_VML:
+        _glu_into(gu, h, situ, beta, lb, has_lb)
+        return
+    _glu_pre(gu, h, situ, beta, lb, has_lb)
+    if situ:
+        torch.from_numpy(gu[:2 * h.size if has_lb else h.size]).tanh_()
+    torch.from_numpy(h.reshape(-1)).exp_()
+    _glu_post(gu, h, situ, beta, lb, has_lb)
+
+
+def _glu_of(g, u, situ: bool, beta: float, linear_beta: float | None) -> torch.Tensor:
+    gn, un = _flat(g), _flat(u)
+    if gn.size != un.size:
+        raise ValueError(f"GLU: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
+    has_lb = linear_beta is not None
+    out = np.empty_like(gn)
+    _glu(np.concatenate((gn, un)), out, situ, np.float32(beta), np.float32(linear_beta if has_lb else 1.0), has_lb)
+    return torch.from_numpy(out.reshape(g.shape))
+
+
+def silu_glu(g, u) -> torch.Tensor:
+    """silu(g) * u per element (g and u float32 tensors or arrays of one shape):
+    (g / (exp(-g) + 1)) * u, each operation rounded in that order, exp torch's."""
+    return _glu_of(g, u, False, 1.0, None)
+
+
+def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))
+    per element (the last factor u itself when linear_beta is None), each operation
+    rounded in that order, tanh and exp torch's (sigmoid(g) = 1 / (exp(-g) + 1)). g, u:
+    float32 tensors or arrays of one shape."""
+    return _glu_of(g, u, True, beta, linear_beta)
+
+
 def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarray:
     """A group of routed experts: expert g multiplies rows rows[g] = (x0, x1) of x
     [M, d] (float32) by its gate and up matrices (w1s[g], w3s[g], of one out-size
@@ -714,8 +666,7 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     order of the rows (expert 0's rows first). ``fmt``: "bf16" or "mxfp4", every weight
     in it.
 
-    Two kernel calls and one compiled GLU between them (torch's exp / tanh called from
-    it where USE_VML allows, else by torch between two compiled passes). The GLU works
+    Two kernel calls and the GLU between them (``_glu``, as silu_glu / situ_glu). It works
     in place in gate | up and its output (no scratch beside them), gate | up is dropped
     before the down call, and every element has the bits of one linear / GLU call per
     expert (tests/test_fused.py). (The kernels stay calls from Python: called from a
@@ -735,20 +686,11 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     has_lb = situ is not None and situ[1] is not None
     beta = np.float32(situ[0] if situ is not None else 1.0)
     lb = np.float32(situ[1] if has_lb else 1.0)
-    act = (situ is not None, beta, lb, has_lb)
     run = run_bf16_jobs if fmt == "bf16" else run_mxfp4_jobs
     gu = np.empty(total13, np.float32)
     run(xn, jobs13, gu, work13, tmax)
     h = np.empty((n, inter), np.float32)
-    if USE_VML:
-        _glu_into(gu, h, *act)
-    else:
-        _glu_pre(gu, h, *act)
-        span = _glu_tanh_span(h.size, situ is not None, has_lb)
-        if span:
-            torch.from_numpy(gu[:span]).tanh_()
-        torch.from_numpy(h).exp_()
-        _glu_post(gu, h, *act)
+    _glu(gu, h, situ is not None, beta, lb, has_lb)
     del gu
     y = np.empty(total2, np.float32)
     run(h, jobs2, y, work2, tmax)

@@ -26,11 +26,12 @@ CHUNK_MIN_T = 32
 
 
 def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_heads: int,
-              lower_bound: float | None) -> torch.Tensor:
+              lower_bound: float | None, with_exp: bool = False):
     """Log-space decay g [T, H, dk] from the raw gate u [T, H*dk].
     K3 (lower_bound set): g = lb * sigmoid(exp(A_log[h]) * (u + dt_bias)).
-    Kimi-Linear:          g = -exp(A_log[h]) * softplus(u + dt_bias)."""
-    return fused_kda_decay(u, a_log, dt_bias, n_heads, lower_bound)
+    Kimi-Linear:          g = -exp(A_log[h]) * softplus(u + dt_bias).
+    ``with_exp``: (g, exp(g)), both from one call."""
+    return fused_kda_decay(u, a_log, dt_bias, n_heads, lower_bound, with_exp)
 
 
 def kda_recurrent(q, k, v, g, beta, state, into: torch.Tensor | None = None, eg: torch.Tensor | None = None):
@@ -221,7 +222,7 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     if chunked:
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
     else:  # the recurrent form also takes exp(g), made in the decay's own call
-        g, eg = fused_kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound, with_exp=True)
+        g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound, with_exp=True)
     beta = sigmoid(b)  # [T, H]
     if st.record is not None:
         st.record.update(q_in=q_in, k_in=k_in, v_in=v_in, q=q, k=k, v=v, g=g, beta=beta,

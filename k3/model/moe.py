@@ -35,9 +35,9 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
     are one run of rows; gate and up of every expert in one call, the GLU over all
-    pairs at once, down in one call (expert_ffn). One
-    token (decode) needs no sort: its k experts are distinct, each reads row 0 of z,
-    and its pairs are already in top-k order."""
+    pairs at once, down in one call (expert_ffn). One token (decode) needs no sort:
+    its k experts are distinct, each reads row 0 of z, and its pairs are already in
+    top-k order."""
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.numpy().reshape(-1)

@@ -104,8 +104,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta).
-    The sigmoid takes the uncapped gate; |out| <= beta*linear_beta. Fused: one torch
-    tanh and one torch exp, the arithmetic around them compiled (k3.model.fused)."""
+    The sigmoid takes the uncapped gate; |out| <= beta*linear_beta. Fused: torch's tanh
+    and exp, the arithmetic around them compiled (k3.model.fused)."""
     return fused.situ_glu(g, u, beta, linear_beta)
 
 

@@ -720,16 +720,16 @@ _SERIAL_WORK = 1 << 18
 
 
 def _launch(kernel, work, *args):
-    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work;
-    returns what the kernel returns."""
+    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work."""
     nth = numba.get_num_threads()
     if nth > 1 and work < _SERIAL_WORK:
         numba.set_num_threads(1)
         try:
-            return kernel(*args, 1)
+            kernel(*args, 1)
         finally:
             numba.set_num_threads(nth)
-    return kernel(*args, nth)
+    else:
+        kernel(*args, nth)
 
 
 def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
