@@ -196,6 +196,44 @@ def test_routed_experts_f32_fixture_weights_fall_back():
     z = _x(g, 2, d)
     ref = routed_experts_reference(cfg, z, ids, 1, DictWeights(cfg, tensors))
     assert same(routed_experts(cfg, z, ids, 1, DictWeights(cfg, tensors)), ref)
+    # one token, its experts handed out in shuffled groups
+    assert same(routed_experts(cfg, z[1:], ids[1:], 1, GroupedWeights(cfg, tensors, 3)), ref[1:])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_expert_ffn_tables_are_grouped_jobs_tables(fmt):
+    """expert_ffn builds its two job tables in one compiled pass: they must be the tables
+    grouped_jobs makes for the gate | up call and the down call (rows of different
+    sizes, an expert with no rows among them)."""
+    from k3.model.fused import _ffn_jobs
+    from k3.quant.bf16 import _bf16_matrix, described, grouped_jobs
+    from k3.quant.mxfp4 import _mxfp4_weight
+    cfg, tensors, g, d = _moe_case("k3", fmt, 3)
+    prov = DictWeights(cfg, tensors)
+    ews = list(next(iter(prov.expert_groups(1, [3, 0, 5, 1]))).values())
+    w1s, w3s, w2s = [e.w1 for e in ews], [e.w3 for e in ews], [e.w2 for e in ews]
+    rows = [(0, 2), (2, 2), (2, 5), (5, 6)]
+    describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
+    dd = np.array([described(w, describe) for ws in (w1s, w3s, w2s) for w in ws], np.int64).reshape(3, 4, -1)
+    j13 = np.empty((8, 2 + dd.shape[2]), np.int64)
+    j2 = np.empty((4, j13.shape[1]), np.int64)
+    n13, n2, n, tmax, bad, why = _ffn_jobs(dd, np.array(rows, np.int64), 6, d, j13, j2)
+    ref13, total13, _, ref_tmax = grouped_jobs(6, d, w1s + w3s, describe, rows + rows)
+    inter = cfg.moe_intermediate_size
+    ref2, total2, _, _ = grouped_jobs(6, inter, w2s, describe, [(0, 2), (2, 2), (2, 5), (5, 6)])
+    assert (bad, why, n, tmax) == (-1, 0, 6, ref_tmax) and total13 == 2 * n * inter and total2 == n * d
+    assert np.array_equal(j13[:n13], ref13) and np.array_equal(j2[:n2], ref2)
+
+
+def test_expert_ffn_refuses_shapes_that_do_not_chain():
+    from k3.model.fused import expert_ffn
+    cfg, tensors, g, d = _moe_case("kimi_linear", "bf16", 0)
+    ew = next(iter(DictWeights(cfg, tensors).expert_groups(1, [0]))).get(0)
+    z = _x(g, 1, d)
+    with pytest.raises(ValueError, match="down matrix of expert 0"):
+        expert_ffn("bf16", z, [ew.w1], [ew.w3], [ew.w1], [(0, 1)], None)
+    with pytest.raises(ValueError, match="outside"):
+        expert_ffn("bf16", z, [ew.w1], [ew.w3], [ew.w2], [(0, 2)], None)
 
 
 # ------------------------------------------------------------------ fused small ops

@@ -25,9 +25,9 @@ from numba.extending import intrinsic
 
 from . import vml
 from .vml import vexp, vlog, vtanh
-from ..quant.bf16 import (LANES, _F32, _I16, _I32, _I64, _ISA, _V, _as_f32_activations, _bf16_matrix, _data_ptr,
-                          _fma, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
-                          described, for_each_nt, grouped_jobs, make_tile, run_bf16_jobs, widen_bf16_vec)
+from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
+                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
+                          described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 
 #: below this many elements a fused op runs on one thread (waking the pool costs more)
@@ -675,26 +675,89 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
     describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
-    inter = described(w1s[0], describe)[0]
-    jobs13, total13, work13, tmax = grouped_jobs(M, K, list(w1s) + list(w3s), describe, list(rows) + list(rows))
-    counts = [b - a for a, b in rows]
-    n = sum(counts)
-    if total13 != 2 * n * inter:
-        raise ValueError(f"expert_ffn: gate and up outputs of {total13} values for {n} pairs of {inter}")
-    at = np.cumsum([0] + counts).tolist()
-    jobs2, total2, work2, _ = grouped_jobs(n, inter, w2s, describe, list(zip(at[:-1], at[1:])))
+    G = len(w1s)
+    if G == 0:
+        return np.empty(0, np.float32)
+    d = np.array([described(w, describe) for ws in (w1s, w3s, w2s) for w in ws], np.int64).reshape(3, G, -1)
+    r = np.array(rows, np.int64).reshape(G, 2)
+    jobs13 = np.empty((2 * G, J_ADDR + d.shape[2] - 2), np.int64)
+    jobs2 = np.empty((G, jobs13.shape[1]), np.int64)
+    n13, n2, n, tmax, bad, why = _ffn_jobs(d, r, M, K, jobs13, jobs2)
+    if why == 2:
+        raise ValueError(f"expert_ffn: expert {bad}'s rows {tuple(rows[bad])} lie outside the activation's {M} rows")
+    if why == 1:
+        w = (w1s, w3s, w2s)[bad // G][bad % G]
+        raise ValueError(f"expert_ffn: the {('gate', 'up', 'down')[bad // G]} matrix of expert {bad % G} "
+                         f"({_shape_of(w)}) does not chain: gate and up must be [n, {K}], down [{K}, n], one n")
+    inter = int(d[0, 0, 0])
+    jobs13, jobs2 = jobs13[:n13], jobs2[:n2]
     has_lb = situ is not None and situ[1] is not None
     beta = np.float32(situ[0] if situ is not None else 1.0)
     lb = np.float32(situ[1] if has_lb else 1.0)
     run = run_bf16_jobs if fmt == "bf16" else run_mxfp4_jobs
-    gu = np.empty(total13, np.float32)
-    run(xn, jobs13, gu, work13, tmax)
+    gu = np.empty(2 * n * inter, np.float32)
+    run(xn, jobs13, gu, 2 * n * inter * K, tmax)
     h = np.empty((n, inter), np.float32)
     _glu(gu, h, situ is not None, beta, lb, has_lb)
     del gu
-    y = np.empty(total2, np.float32)
-    run(h, jobs2, y, work2, tmax)
+    y = np.empty(n * K, np.float32)
+    run(h, jobs2, y, n * K * inter, tmax)
     return y
+
+
+def _shape_of(w) -> str:
+    s = getattr(w, "shape", None)
+    return f"shape {tuple(s)}" if s is not None else type(w).__name__
+
+
+@njit(cache=True, nogil=True)
+def _ffn_jobs(d, r, M, K, jobs13, jobs2):
+    """expert_ffn's two job tables (J_* columns), as grouped_jobs would make them. d
+    [3, G, ncols]: the descriptors (n, addresses..., in-features) of the gate, up and
+    down matrices; r [G, 2]: each expert's rows of x [M, K]. Gate | up: every gate
+    product, then every up product; down: the GLU's rows, expert by expert. Returns
+    (gate | up jobs, down jobs, pairs, most rows of one expert, the first bad weight
+    (3 * G numbering) or -1, why: 0 fine, 1 its shape does not chain, 2 rows outside x)."""
+    G = r.shape[0]
+    na = d.shape[2] - 1
+    inter = d[0, 0, 0] if G > 0 else 0
+    n = tmax = 0
+    for g in range(G):
+        if not 0 <= r[g, 0] <= r[g, 1] <= M:
+            return 0, 0, 0, 0, g, 2
+        n += r[g, 1] - r[g, 0]
+        tmax = max(tmax, r[g, 1] - r[g, 0])
+    for h in range(3):
+        for g in range(G):
+            if d[h, g, 0] != (K if h == 2 else inter) or d[h, g, na] != (inter if h == 2 else K):
+                return 0, 0, 0, 0, h * G + g, 1
+    j13 = j2 = 0
+    for h in range(2):
+        at = 0                                          # the pairs before expert g
+        for g in range(G):
+            x0, x1 = r[g, 0], r[g, 1]
+            if x1 > x0 and inter > 0:
+                jobs13[j13, J_N] = inter
+                jobs13[j13, J_X0] = x0
+                jobs13[j13, J_X1] = x1
+                jobs13[j13, J_OFF] = (h * n + at) * inter
+                for a in range(1, na):
+                    jobs13[j13, J_ADDR + a - 1] = d[h, g, a]
+                j13 += 1
+            at += x1 - x0
+    at = 0
+    for g in range(G):
+        c = r[g, 1] - r[g, 0]
+        if c > 0 and K > 0:
+            jobs2[j2, J_N] = K
+            jobs2[j2, J_X0] = at
+            jobs2[j2, J_X1] = at + c
+            jobs2[j2, J_OFF] = at * K
+            for a in range(1, na):
+                jobs2[j2, J_ADDR + a - 1] = d[2, g, a]
+            j2 += 1
+        at += c
+    return j13, j2, n, tmax, -1, 0
 
 
 @njit(cache=True, nogil=True)

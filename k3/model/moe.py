@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..quant.bf16 import described
 from .fused import expert_ffn, route_topk, weighted_sum
 from .ops import glu_act, kernel_format, linear, linears, mlp, rms_norm
 
@@ -31,6 +32,18 @@ def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None
     return route_topk(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
 
 
+def _expert_kind(ew) -> tuple:
+    """(kernel format of its three matrices or None, gate rows) of one routed expert."""
+    return kernel_format([ew.w1, ew.w3, ew.w2]), ew.w1.shape[0]
+
+
+def _group_format(ews) -> str | None:
+    """The kernel format every expert of a group shares (with one gate size), else None.
+    Kept per live expert object (``described``): a cache slot's expert is checked once."""
+    kinds = {described(ew, _expert_kind) for ew in ews}
+    return next(iter(kinds))[0] if len(kinds) == 1 else None
+
+
 def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
@@ -41,10 +54,10 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.numpy().reshape(-1)
+    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
     if T == 1:
         experts = flat.tolist()
-        x, span = z, dict.fromkeys(experts, (0, 1))
-        dest = {e: [j] for j, e in enumerate(experts)}  # the pairs (rows of contrib) of each expert
+        x, span, dest = z, None, None
     else:
         order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
         uniq, first, count = np.unique(flat[order], return_index=True, return_counts=True)
@@ -52,26 +65,30 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         span = {e: (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
         x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
         dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
-    contrib = z.new_empty(T * k, d)
-    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
+    contrib, every = None, list(range(T * k))
     for group in provider.expert_groups(layer, experts):
-        es = list(group.items())
-        if not es:
+        if not group:
             continue
-        rows = [span[e] for e, _ in es]
-        pos = [p for e, _ in es for p in dest[e]]
-        n = len(pos)
-        w1s, w3s, w2s = [ew.w1 for _, ew in es], [ew.w3 for _, ew in es], [ew.w2 for _, ew in es]
-        inter = w1s[0].shape[0]
-        fmt = kernel_format(w1s + w3s + w2s) if all(w.shape[0] == inter for w in w1s) else None
-        if fmt is None:  # the experts share no kernel format (F32 fixtures): one by one
-            for (e, ew), (a, b) in zip(es, rows):
-                contrib[dest[e]] = linear(glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
+        es, ews = list(group), list(group.values())
+        if T == 1:  # every expert reads row 0; its pair is its place in the top-k
+            rows = [(0, 1)] * len(es)
+            pos = every if es == experts else [experts.index(e) for e in es]
+        else:
+            rows, pos = [span[e] for e in es], [p for e in es for p in dest[e]]
+        fmt = _group_format(ews)
+        if fmt is not None:
+            y = torch.from_numpy(expert_ffn(fmt, x, [ew.w1 for ew in ews], [ew.w3 for ew in ews],
+                                            [ew.w2 for ew in ews], rows, situ)).view(-1, d)
+            if contrib is None and pos == every:  # one group, in pair order: y is the result
+                return y.view(T, k, d)
+        if contrib is None:
+            contrib = z.new_empty(T * k, d)
+        if fmt is not None:
+            contrib[pos] = y
             continue
-        y = torch.from_numpy(expert_ffn(fmt, x, w1s, w3s, w2s, rows, situ)).view(n, d)
-        if n == T * k and pos == list(range(n)):  # one group, in pair order: y is the result
-            return y.view(T, k, d)
-        contrib[pos] = y
+        for i, (e, ew, (a, b)) in enumerate(zip(es, ews, rows)):  # no shared kernel format (F32 fixtures)
+            contrib[[pos[i]] if T == 1 else dest[e]] = linear(
+                glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
     return contrib.view(T, k, d)
 
 

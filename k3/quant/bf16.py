@@ -860,7 +860,7 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
     table = job_table(M, K, [described(w, describe) for w in ws], rows)
     if rows is None:
         try:
-            refs = [weakref.ref(w, lambda _r, k=key: _TABLES.pop(k, None)) for w in ws]
+            refs = [weakref.ref(w, lambda _r, k=key, tables=_TABLES: tables.pop(k, None)) for w in ws]
         except TypeError:
             return table
         _TABLES[key] = (refs, table)
@@ -886,7 +886,8 @@ def described(w, describe, partner=None):
         return e[1]
     d = describe(w) if partner is None else describe(w, partner)
     try:
-        drop = lambda _r, k=k: _DESC.pop(k, None)  # noqa: E731
+        # the dict bound now: at interpreter exit the module's globals may already be None
+        drop = lambda _r, k=k, desc=_DESC: desc.pop(k, None)  # noqa: E731
         _DESC[k] = (weakref.ref(w, drop), d, None if partner is None else weakref.ref(partner, drop))
     except TypeError:  # an object without weak references: checked on every call
         pass
