@@ -98,6 +98,27 @@ def test_thread_count_and_batch_independence():
     assert np.array_equal(_bits(y1), _bits(y2))
 
 
+@pytest.mark.parametrize("serial_small", [False, True])
+def test_small_calls_leave_the_thread_count_as_it_was(serial_small, monkeypatch):
+    """Small work may run on one thread (outside numba's TBB layer): the caller's thread
+    count is restored, also when the kernel raises, and the bits are those of a large call's rows."""
+    from k3.quant import bf16 as B
+    get, put, _ = B._threads()
+    monkeypatch.setattr(B, "_TH", (get, put, serial_small))
+    x, w = _case(4, 3, 40, 64)
+    before = get_num_threads()
+    y = bf16_linear(x, w)
+    assert get_num_threads() == before
+    big = torch.cat([w] * 200)                              # above the small-work limit
+    assert np.array_equal(_bits(bf16_linear(x, big)[:, :40]), _bits(y))
+
+    def boom(*args):
+        raise RuntimeError("kernel failed")
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        B._launch(boom, 1)
+    assert get_num_threads() == before
+
+
 def test_non_contiguous_input():
     x, w = _case(4, 6, 9, 130)
     xt = x.T.contiguous().T                         # same values, column-major strides

@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from . import vml
 from .vml import vexp, vlog, vtanh
 from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
-                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
+                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _threads, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 
@@ -199,17 +199,19 @@ def _kda_recurrent(S0, eg, k, beta, v, q, S, o):
 
 
 def _run(kernel, n, *args):
-    """kernel(*args) on the kernels' threads, or on one thread for small n."""
-    import numba
-    nth = numba.get_num_threads()
-    if nth > 1 and n < _SERIAL:
-        numba.set_num_threads(1)
-        try:
-            kernel(*args)
-        finally:
-            numba.set_num_threads(nth)
-    else:
-        kernel(*args)
+    """kernel(*args) on the kernels' threads, or on one thread for small n (outside TBB,
+    k3.quant.bf16._threads)."""
+    get, put, serial_small = _threads()
+    if serial_small and n < _SERIAL:
+        nth = get()
+        if nth > 1:
+            put(1)
+            try:
+                kernel(*args)
+            finally:
+                put(nth)
+            return
+    kernel(*args)
 
 
 def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,

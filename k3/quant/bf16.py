@@ -718,16 +718,38 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
 #: region on the 2-vCPU box with OMP_WAIT_POLICY=PASSIVE); results do not depend on it
 _SERIAL_WORK = 1 << 18
 
+#: (get, set, small calls on one thread) once numba's threading layer is up: see _threads
+_TH: tuple | None = None
+
+
+def _threads() -> tuple:
+    """(get, set, serial_small): numba's C functions for the calling thread's count (the
+    public numba.get_num_threads / set_num_threads add ~1.5 us of Python checks each, and
+    a small call paid three of them), and whether small work is run on one thread: not
+    under the TBB layer, whose idle workers cost a parallel region about a microsecond
+    (OpenMP's passive ones ~55 us, docs/PERFORMANCE.md)."""
+    global _TH
+    if _TH is None:
+        numba.get_num_threads()  # starts the threading layer
+        from numba.np.ufunc import parallel as _par
+        get, put = getattr(_par, "_get_num_threads", None), getattr(_par, "_set_num_threads", None)
+        if not (callable(get) and callable(put)):  # another numba's layout: the public ones
+            get, put = numba.get_num_threads, numba.set_num_threads
+        _TH = (get, put, numba.threading_layer() != "tbb")
+    return _TH
+
 
 def _launch(kernel, work, *args):
-    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work."""
-    nth = numba.get_num_threads()
-    if nth > 1 and work < _SERIAL_WORK:
-        numba.set_num_threads(1)
+    """kernel(*args, nth) on the caller's numba threads, or on one thread for small work
+    (outside TBB)."""
+    get, put, serial_small = _TH or _threads()
+    nth = get()
+    if serial_small and nth > 1 and work < _SERIAL_WORK:
+        put(1)
         try:
             kernel(*args, 1)
         finally:
-            numba.set_num_threads(nth)
+            put(nth)
     else:
         kernel(*args, nth)
 
