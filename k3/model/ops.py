@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import fused
+from ..quant import bf16_grouped, bf16_linear, mxfp4_grouped, mxfp4_linear
 from ..quant.bf16 import described
 from .fused import norm_rows, weighted_sum
 from .weights import Mxfp4Weight
@@ -26,26 +27,29 @@ from .weights import Mxfp4Weight
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """y = x @ W.T for x fp32 [T, in]; W BF16 / F32 tensor [out, in] or Mxfp4Weight."""
     if isinstance(w, Mxfp4Weight):
-        from ..quant import mxfp4_linear
         return mxfp4_linear(x.contiguous(), w.packed, w.scale)
     if not isinstance(w, torch.Tensor):  # RowChunks: a matrix streamed in row blocks
         return torch.cat([linear(x, c) for c in w.chunks()], dim=1)
     if w.dtype == torch.bfloat16:
-        from ..quant import bf16_linear
         return bf16_linear(x.contiguous(), w)
     # F32 (fixtures, small F32 checkpoints) or F16: accumulate in fp64 like the C engine's
     # double accumulators, so cancelling sums stay within the fixtures' 1e-5.
     return (x.double() @ w.double().T).to(torch.float32)
 
 
-def kernel_format(ws) -> str | None:
-    """"bf16" / "mxfp4" when every weight can go to that grouped kernel, else None."""
-    if all(isinstance(w, Mxfp4Weight) for w in ws):
+def _weight_format(w) -> str | None:
+    if isinstance(w, Mxfp4Weight):
         return "mxfp4"
-    if all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-           for w in ws):
+    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
         return "bf16"
     return None
+
+
+def kernel_format(ws) -> str | None:
+    """"bf16" / "mxfp4" when every weight can go to that grouped kernel, else None (each
+    weight object's format found once while it lives, ``described``)."""
+    fmts = {described(w, _weight_format) for w in ws}
+    return fmts.pop() if len(fmts) == 1 else None
 
 
 def grouped_linear(x: torch.Tensor, ws, rows=None):
@@ -57,11 +61,10 @@ def grouped_linear(x: torch.Tensor, ws, rows=None):
     fmt = kernel_format(ws)
     if fmt is None or not ws:
         return None
-    from ..quant import bf16_grouped, mxfp4_grouped
     return (bf16_grouped if fmt == "bf16" else mxfp4_grouped)(x.contiguous(), ws, rows)
 
 
-def linears(x: torch.Tensor, ws) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, ws) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
     """[linear(x, w) for w in ws] - the projections that read the same input - in one
     kernel call when the weights share a format (same bits either way)."""
     flat = grouped_linear(x, ws)
@@ -69,7 +72,7 @@ def linears(x: torch.Tensor, ws) -> list[torch.Tensor]:
         return [linear(x, w) for w in ws]
     T, outs, off = x.shape[0], [], 0
     if T == 1:  # the [1, n] products lie side by side: one split, not a slice and a view each
-        return list(flat.view(1, -1).split([w.shape[0] for w in ws], 1))
+        return flat.view(1, -1).split_with_sizes([w.shape[0] for w in ws], 1)
     for w in ws:
         n = w.shape[0]
         outs.append(flat[off:off + T * n].view(T, n))
