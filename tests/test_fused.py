@@ -370,6 +370,68 @@ def test_online_softmax_tile_equals_the_torch_chain(math_form):
         assert same(den, rden) and same(acc, racc)
 
 
+# ------------------------------------------------------------------ Attention Residuals mix
+def _aten_avx2() -> bool:
+    return vml.HAS_SLEEF8 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def ref_attn_mix(V, w, eps):
+    """ops.attn_res before the fusion, verbatim: torch's norm, sum and softmax chain."""
+    scaled = fused.norm_rows(V, eps, w)
+    S, T = V.shape[0], V.shape[1]
+    scores = scaled.sum(-1)
+    scores = scores.view(1, S) if T == 1 else scores.T.contiguous()
+    a = torch.softmax(scores, dim=-1)
+    return fused.weighted_sum(V.permute(1, 0, 2), a)
+
+
+def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
+    """The compiled mix's row sum and softmax are ATen's AVX2 ones re-done: against
+    torch.sum over rows of 8..40,000 (every cascade level, vector and scalar tails) and
+    torch.softmax over 1..100 scores (masked -inf scores, a tie at the maximum, large
+    spreads). This torch runs its AVX2 kernels here, so they must match."""
+    if not _aten_avx2():
+        pytest.skip("torch does not run its AVX2 kernels here (the mix keeps torch's chain)")
+    g = torch.Generator().manual_seed(5)
+    acc = np.empty((4, 4, 8), np.float32)
+    for d in (8, 9, 15, 31, 32, 33, 127, 128, 129, 500, 1024, 2304, 4097, 7168, 16384, 40000):
+        x = torch.randn(40, d, generator=g) * torch.rand(40, 1, generator=g) * 10
+        got = np.array([fused._torch_row_sum(r, acc) for r in x.numpy()], np.float32)
+        assert np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32)), d
+    v = np.empty(16, np.float32)
+    for n in list(range(1, 41)) + [63, 64, 65, 100]:
+        x = torch.randn(300, n, generator=g) * torch.rand(300, 1, generator=g) * 30
+        if n > 3:
+            x[::5, 1] = float("-inf")
+            x[1::5, 2] = x[1::5].max(-1).values
+        got = x.clone().numpy()
+        buf = np.empty(-(-n // 8) * 8, np.float32)
+        for r in got:
+            fused._softmax_row8(r, n, buf, v)
+        assert np.array_equal(got.view(np.int32), torch.softmax(x, -1).numpy().view(np.int32)), n
+
+
+@pytest.mark.parametrize("S,T,d", [(1, 1, 64), (2, 1, 1024), (6, 1, 1000), (9, 4, 257), (17, 2, 2304),
+                                   (33, 1, 100), (3, 5, 7)])
+def test_attn_mix_equals_the_torch_chain(S, T, d, threads):
+    """The mix (one compiled call where torch runs its AVX2 kernels, else the chain) has
+    the chain's bits; a source far larger than the others, rows shorter than a vector
+    (d = 7 takes the chain), and on this AVX2 torch the compiled form must be the one
+    running."""
+    if _aten_avx2():
+        assert fused._mix_ok()
+    g = torch.Generator().manual_seed(S * 100 + T)
+    V = torch.randn(S, T, d, generator=g) * torch.rand(S, T, 1, generator=g) * 20
+    V[-1, 0] *= 1e4
+    w = torch.randn(d, generator=g) * 2
+    assert same(fused.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6))
+    assert same(fused.attn_mix(V.bfloat16().float(), w, 1e-6), ref_attn_mix(V.bfloat16().float(), w, 1e-6))
+    # a non-finite source gives NaN where the chain does (the layer's finite check then stops the pass)
+    V[0, -1, 3] = float("inf")
+    got, want = fused.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+
+
 def ref_kda_decay(u, a_log, dt_bias, n_heads, lower_bound):
     """kda.kda_decay before the fusion, verbatim (its softplus with log1p(y) as
     log(1 + y) * y / ((1 + y) - 1))."""

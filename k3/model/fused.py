@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import vml
-from .vml import vexp, vlog, vtanh
+from .vml import sexp8, vexp, vlog, vtanh
 from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
                           _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _threads, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
@@ -837,6 +837,206 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
     total = w.sum(-1, keepdim=True).numpy() if renorm else wts[:, :1]
     _route_scale(wts, total, renorm, np.float32(scale))
     return torch.from_numpy(ids), w
+
+
+# ------------------------------------------------------------------ Attention Residuals mix
+# K3's mix scores each source by the sum of its normed, weighted row and takes a softmax
+# over the sources: torch's float32 row sum and last-dim softmax decide those bits.
+# Below, both as ATen computes them on its AVX2 path (8-lane vectors): the sum's four
+# interleaved vector accumulators with their cascade levels (SumKernel's row_sum), the
+# softmax's vector max / exp / sum / reciprocal (SoftMaxKernel's _vec_softmax_lastdim,
+# SLEEF's exp), so the mix is ONE compiled call instead of seven torch ops and two
+# compiled ones. It switches itself on only where a check against torch's chain gives
+# the same bits (``_mix_ok``); anywhere else (AVX-512 torch, no SLEEF export) the chain
+# runs as before.
+_LANES8 = 8
+
+
+@njit(cache=True, nogil=True)
+def _ceil_log2(x):
+    r = 0
+    v = x - 1
+    while v > 0:
+        v >>= 1
+        r += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _torch_row_sum(x, acc):
+    """sum(x) for a 1-D float32 row of at least 8 elements, in the order of ATen's
+    vectorized inner sum: 8-lane vectors; four of them interleaved (vector 4i + k into
+    accumulator k) through up to four cascade levels of 2^p vectors each (p = max(4,
+    ceil_log2(n / 32) // 4)); leftover vectors into accumulator 0, accumulators 1..3
+    added to it; then the scalar tail from 0, then the 8 lanes in order. acc: scratch
+    [4, 4, 8] float32."""
+    d = x.size
+    nv = d // _LANES8
+    ni = nv // 4
+    acc[:] = 0
+    lp = max(4, _ceil_log2(ni) // 4) if ni > 1 else 4
+    step = 1 << lp
+    i = 0
+    while i + step <= ni:
+        for _ in range(step):
+            for k in range(4):
+                b = (4 * i + k) * _LANES8
+                for l in range(_LANES8):
+                    acc[0, k, l] += x[b + l]
+            i += 1
+        for j in range(1, 4):
+            for k in range(4):
+                for l in range(_LANES8):
+                    acc[j, k, l] += acc[j - 1, k, l]
+                    acc[j - 1, k, l] = 0
+            if i & ((step - 1) << (j * lp)):
+                break
+    while i < ni:
+        for k in range(4):
+            b = (4 * i + k) * _LANES8
+            for l in range(_LANES8):
+                acc[0, k, l] += x[b + l]
+        i += 1
+    for j in range(1, 4):
+        for k in range(4):
+            for l in range(_LANES8):
+                acc[0, k, l] += acc[j, k, l]
+    for v in range(4 * ni, nv):
+        for l in range(_LANES8):
+            acc[0, 0, l] += x[v * _LANES8 + l]
+    for k in range(1, 4):
+        for l in range(_LANES8):
+            acc[0, 0, l] += acc[0, k, l]
+    f = np.float32(0.0)
+    for e in range(nv * _LANES8, d):
+        f += x[e]
+    for l in range(_LANES8):
+        f += acc[0, 0, l]
+    return f
+
+
+@njit(cache=True, nogil=True)
+def _vop(a, b, add):
+    """ATen's vector add, or its maximum (NaN if either is; else b unless a > b)."""
+    if add:
+        return a + b
+    if a != a or b != b:
+        return np.float32(np.nan)
+    return a if a > b else b
+
+
+@njit(cache=True, nogil=True)
+def _reduce_all8(x, n, add, v):
+    """ATen's vec::reduce_all of x[:n] with add or maximum (v: scratch of 8): below 8
+    elements one after another; else 8-lane vectors (the partial last one into its first
+    lanes), then the lane tree (i, i + 4), (i, i ^ 2), (i, i ^ 1)."""
+    if n < _LANES8:
+        a = x[0]
+        for i in range(1, n):
+            a = _vop(a, x[i], add)
+        return a
+    for l in range(_LANES8):
+        v[l] = x[l]
+    d = _LANES8
+    while d < n:
+        for l in range(min(_LANES8, n - d)):
+            v[l] = _vop(v[l], x[d + l], add)
+        d += _LANES8
+    for h in (4, 2, 1):
+        for l in range(_LANES8):
+            j = (l + 4) % _LANES8 if h == 4 else l ^ h
+            v[_LANES8 + l] = _vop(v[l], v[j], add)
+        for l in range(_LANES8):
+            v[l] = v[_LANES8 + l]
+    return v[0]
+
+
+@njit(cache=True, nogil=True)
+def _softmax_row8(x, n, buf, v):
+    """x[:n] = torch.softmax(x[:n]) as ATen's AVX2 kernel computes it: the maximum, then
+    exp(x - max) (SLEEF), their sum, one reciprocal, each times it. buf: scratch of n
+    rounded up to 8; v: scratch of 16."""
+    m = _reduce_all8(x, n, False, v)
+    nb = buf.size
+    for i in range(nb):
+        buf[i] = x[i] - m if i < n else np.float32(0.0)
+    sexp8(buf, buf)
+    s = _reduce_all8(buf, n, True, v)
+    r = np.float32(1.0) / s
+    for i in range(n):
+        x[i] = buf[i] * r
+
+
+@njit(cache=True, nogil=True)
+def _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v):
+    S, T, d = V.shape
+    _norm_rows(V.reshape(S * T, d), eps, w, True, scaled)
+    for t in range(T):
+        for s in range(S):
+            scores[t, s] = _torch_row_sum(scaled[s * T + t], acc)
+        _softmax_row8(scores[t], S, buf, v)
+    _weighted_sum(V.transpose(1, 0, 2), scores, out)
+
+
+def _attn_mix_torch(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mix as torch's chain (the reference and the fallback)."""
+    scaled = norm_rows(V, eps, w)
+    S, T = V.shape[0], V.shape[1]
+    scores = scaled.sum(-1)
+    scores = scores.view(1, S) if T == 1 else scores.T.contiguous()  # [T, S]
+    a = torch.softmax(scores, dim=-1)
+    return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...
+
+
+def _attn_mix_compiled(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    S, T, d = V.shape
+    Vn = _array(V)
+    out = np.empty((T, d), np.float32)
+    _attn_mix(Vn, described(w, _gain_array), float(eps), out, np.empty((S * T, d), np.float32),
+              np.empty((T, S), np.float32), np.empty((4, 4, _LANES8), np.float32),
+              np.empty(-(-S // _LANES8) * _LANES8, np.float32), np.empty(2 * _LANES8, np.float32))
+    return torch.from_numpy(out)
+
+
+_MIX_OK: bool | None = None
+
+
+def _mix_ok() -> bool:
+    """Whether the compiled mix gives the chain's bits here: ATen on its AVX2 path, SLEEF's
+    exp exported, and a check on random and special cases (1..40 sources, one and several
+    tokens, rows of 8..7,200 with a scalar tail, a masked-like very negative score) equal
+    bit for bit."""
+    global _MIX_OK
+    if _MIX_OK is None:
+        _MIX_OK = False
+        if vml.HAS_SLEEF8 and torch.backends.cpu.get_cpu_capability() == "AVX2":
+            g = torch.Generator().manual_seed(20261202)
+            ok = True
+            for S, T, d in ((1, 1, 8), (2, 1, 64), (3, 2, 9), (5, 1, 1024), (8, 1, 100), (9, 3, 257),
+                            (17, 1, 2304), (40, 2, 33), (4, 1, 7200)):
+                V = torch.randn(S, T, d, generator=g) * torch.rand(S, T, 1, generator=g) * 30
+                V[0, 0, :] *= 1e3
+                w = torch.randn(d, generator=g) * 3
+                if not torch.equal(_attn_mix_compiled(V, w, 1e-6).view(torch.int32),
+                                   _attn_mix_torch(V, w, 1e-6).view(torch.int32)):
+                    ok = False
+                    break
+            _MIX_OK = ok
+    return _MIX_OK
+
+
+def attn_mix(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """K3's Attention Residuals mix of the sources V [S, T, d] (float32) with the
+    pseudo-query w [d] (fp32, the norm gain already folded in): per token t, the score of
+    source s is sum(rms_norm(V[s, t]) * w) (torch's float32 sum), the weights the softmax
+    over s (torch's), the result sum_s V[s, t] * a[t, s] in source order (each product
+    rounded, added left to right). One compiled call where ``_mix_ok``; torch's chain
+    elsewhere: the same bits either way. Returns [T, d]."""
+    if V.dtype != torch.float32:
+        raise ValueError(f"attn_mix takes float32 sources, got {V.dtype}")
+    if V.shape[-1] >= _LANES8 and _mix_ok():
+        return _attn_mix_compiled(V, w, eps)
+    return _attn_mix_torch(V, w, eps)
 
 
 # ------------------------------------------------------------------ online softmax

@@ -20,7 +20,7 @@ import torch
 from . import fused
 from ..quant import bf16_grouped, bf16_linear, mxfp4_grouped, mxfp4_linear
 from ..quant.bf16 import described
-from .fused import norm_rows, weighted_sum
+from .fused import norm_rows
 from .weights import Mxfp4Weight
 
 
@@ -163,18 +163,11 @@ def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Te
 def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
     """Attention Residuals mix. sources: list of fp32 [T, d]. The norm gain is folded into
     the pseudo-query (w = norm * proj); normalised sources are used only for scoring, the
-    raw ones are mixed."""
-    V = torch.stack(sources, 0)  # [S, T, d]
-    # normed * w in the norm's call: (x * inv) * w[i] is what its gain step computes
-    scaled = rms_norm(V, described(norm_w, _mix_query, proj_w), eps)
-    # Scores as an elementwise product summed over the contiguous last dim, and the softmax
-    # along a contiguous last dim (one row per token): a batched matrix-vector product
-    # (`normed @ w`) and a softmax over a leading dim both depend on the thread count.
-    S, T = V.shape[0], V.shape[1]
-    scores = scaled.sum(-1)
-    scores = scores.view(1, S) if T == 1 else scores.T.contiguous()  # [T, S]
-    a = torch.softmax(scores, dim=-1)
-    return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...
+    raw ones are mixed. Scores are an elementwise product summed over the contiguous last
+    dim and the softmax runs along a contiguous last dim (one row per token): a batched
+    matrix-vector product (`normed @ w`) and a softmax over a leading dim depend on the
+    thread count. One fused call (k3.model.fused.attn_mix)."""
+    return fused.attn_mix(torch.stack(sources, 0), described(norm_w, _mix_query, proj_w), eps)
 
 
 def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:

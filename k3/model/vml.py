@@ -1,5 +1,8 @@
 """torch's own exp, tanh and log, callable from compiled (numba) code.
 
+Also the exp of ATen's AVX2 vector type (SLEEF's ``Sleef_expf8_u10``, exported from the
+same library), which torch's softmax uses: see ``sexp8``.
+
 On x86 torch's CPU build runs its unary exp / tanh / log on contiguous float32 through
 MKL's vector math library (VML, linked into libtorch_cpu), per element and whatever
 the position in the array. Calling the same exported entry points (``vmsExp_64``,
@@ -22,11 +25,16 @@ import os
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 #: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: ATen's mode for its VML calls
 _MODE = 0x2 | 0x140000 | 0x100
 _NAMES = {"exp": "vmsExp_64", "tanh": "vmsTanh_64", "log": "vmsLn_64"}
+#: SLEEF's 8-lane float exp, 1-ulp (what ATen's AVX2 Vectorized<float>::exp calls)
+_SLEEF_EXP8 = "Sleef_expf8_u10"
 
 
 def _library() -> str | None:
@@ -37,6 +45,8 @@ def _library() -> str | None:
         handle = ctypes.CDLL(lib)
         if not all(hasattr(handle, n) for n in _NAMES.values()):
             return None
+        global HAS_SLEEF8
+        HAS_SLEEF8 = hasattr(handle, _SLEEF_EXP8)
         import llvmlite.binding as llb
         llb.load_library_permanently(lib)
     except (OSError, RuntimeError):
@@ -44,6 +54,8 @@ def _library() -> str | None:
     return lib
 
 
+#: whether libtorch_cpu exports Sleef_expf8_u10 (set by _library)
+HAS_SLEEF8 = False
 _LIB = _library()
 
 _SIG = types.void(types.int64, types.CPointer(types.float32), types.CPointer(types.float32), types.int64)
@@ -68,6 +80,40 @@ def vtanh(a, out):
 def vlog(a, out):
     """out[i] = log(a[i]), as vexp."""
     _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
+
+
+_V8 = ir.VectorType(ir.FloatType(), 8)
+
+
+@intrinsic
+def _sleef_exp8_at(typingctx, a, out, i):
+    """out[i : i + 8] = Sleef_expf8_u10(a[i : i + 8]) (1-D float32 arrays): one call of
+    SLEEF's vector function on an 8-lane register, the <8 x float> argument and result
+    in a ymm register as the x86-64 ABI passes __m256."""
+    if not (isinstance(a, types.Array) and isinstance(out, types.Array) and a.dtype == types.float32
+            and out.dtype == types.float32 and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), _SLEEF_EXP8)
+        src = context.make_array(sig.args[0])(context, builder, args[0]).data
+        dst = context.make_array(sig.args[1])(context, builder, args[1]).data
+        k = context.cast(builder, args[2], sig.args[2], types.int64)
+        v = builder.load(builder.bitcast(builder.gep(src, [k]), _V8.as_pointer()), align=4)
+        builder.store(builder.call(fn, [v]), builder.bitcast(builder.gep(dst, [k]), _V8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(a, out, i), codegen
+
+
+@njit(cache=True, nogil=True)
+def sexp8(a, out):
+    """out[i] = exp(a[i]) as ATen's AVX2 vector exp computes it (SLEEF, 1 ulp; not the
+    bits of torch.exp, which is MKL's), for 1-D C-contiguous float32 a, out whose size is
+    a multiple of 8. Only with HAS_SLEEF8; its users check their results against torch
+    before they switch themselves on (k3.model.fused.attn_mix)."""
+    for i in range(0, a.size - 7, 8):
+        _sleef_exp8_at(a, out, i)
 
 
 def _probe_values() -> np.ndarray:
