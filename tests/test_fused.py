@@ -325,7 +325,7 @@ def ref_route(logits, bias, k, renorm, scale):
     return ids, wts * scale
 
 
-@pytest.mark.parametrize("E,k", [(32, 8), (100, 1), (896, 16), (16, 16)])
+@pytest.mark.parametrize("E,k", [(32, 8), (100, 1), (896, 16), (16, 16), (40, 12)])
 def test_route_topk_equals_the_sort(E, k, math_form):
     g = torch.Generator().manual_seed(E + k)
     for T in (1, 5):
@@ -392,6 +392,7 @@ def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
     spreads). This torch runs its AVX2 kernels here, so they must match."""
     if not _aten_avx2():
         pytest.skip("torch does not run its AVX2 kernels here (the mix keeps torch's chain)")
+    assert fused._rowsum_ok()  # the router's one-call form is on
     g = torch.Generator().manual_seed(5)
     acc = np.empty((4, 4, 8), np.float32)
     for d in (8, 9, 15, 31, 32, 33, 127, 128, 129, 500, 1024, 2304, 4097, 7168, 16384, 40000):

@@ -26,7 +26,8 @@ from numba.extending import intrinsic
 from . import vml
 from .vml import sexp8, vexp, vlog, vtanh
 from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
-                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _threads, _row_ptr, _vfma, _vload, _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
+                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _threads, _row_ptr, _vfma, _vload,
+                          _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 
@@ -449,6 +450,154 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
     return torch.from_numpy(out)
 
 
+# ------------------------------------------------------------------ torch's row sum and softmax
+# Where a result's bits hang on torch's float32 row sum or last-dim softmax (the router's
+# renormalisation, the Attention Residuals scores and weights), these re-do them as
+# ATen computes them on its AVX2 path (8-lane vectors): the sum's four interleaved vector
+# accumulators with their cascade levels (SumKernel's row_sum), the softmax's vector max
+# / exp / sum / reciprocal (SoftMaxKernel's _vec_softmax_lastdim, SLEEF's exp), so the
+# torch op between two compiled passes goes. Each user switches itself on only where a
+# check against torch gives the same bits (``_rowsum_ok``, ``_mix_ok``); elsewhere
+# (AVX-512 torch, no SLEEF export) torch's op runs as before.
+_LANES8 = 8
+
+
+@njit(cache=True, nogil=True)
+def _ceil_log2(x):
+    r = 0
+    v = x - 1
+    while v > 0:
+        v >>= 1
+        r += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _torch_row_sum(x, acc):
+    """sum(x) for a 1-D float32 row of at least 8 elements, in the order of ATen's
+    vectorized inner sum: 8-lane vectors; four of them interleaved (vector 4i + k into
+    accumulator k) through up to four cascade levels of 2^p vectors each (p = max(4,
+    ceil_log2(n / 32) // 4)); leftover vectors into accumulator 0, accumulators 1..3
+    added to it; then the scalar tail from 0, then the 8 lanes in order. acc: scratch
+    [4, 4, 8] float32."""
+    d = x.size
+    nv = d // _LANES8
+    ni = nv // 4
+    acc[:] = 0
+    lp = max(4, _ceil_log2(ni) // 4) if ni > 1 else 4
+    step = 1 << lp
+    i = 0
+    while i + step <= ni:
+        for _ in range(step):
+            for k in range(4):
+                b = (4 * i + k) * _LANES8
+                for l in range(_LANES8):
+                    acc[0, k, l] += x[b + l]
+            i += 1
+        for j in range(1, 4):
+            for k in range(4):
+                for l in range(_LANES8):
+                    acc[j, k, l] += acc[j - 1, k, l]
+                    acc[j - 1, k, l] = 0
+            if i & ((step - 1) << (j * lp)):
+                break
+    while i < ni:
+        for k in range(4):
+            b = (4 * i + k) * _LANES8
+            for l in range(_LANES8):
+                acc[0, k, l] += x[b + l]
+        i += 1
+    for j in range(1, 4):
+        for k in range(4):
+            for l in range(_LANES8):
+                acc[0, k, l] += acc[j, k, l]
+    for v in range(4 * ni, nv):
+        for l in range(_LANES8):
+            acc[0, 0, l] += x[v * _LANES8 + l]
+    for k in range(1, 4):
+        for l in range(_LANES8):
+            acc[0, 0, l] += acc[0, k, l]
+    f = np.float32(0.0)
+    for e in range(nv * _LANES8, d):
+        f += x[e]
+    for l in range(_LANES8):
+        f += acc[0, 0, l]
+    return f
+
+
+@njit(cache=True, nogil=True)
+def _vop(a, b, add):
+    """ATen's vector add, or its maximum (NaN if either is; else b unless a > b)."""
+    if add:
+        return a + b
+    if a != a or b != b:
+        return np.float32(np.nan)
+    return a if a > b else b
+
+
+@njit(cache=True, nogil=True)
+def _reduce_all8(x, n, add, v):
+    """ATen's vec::reduce_all of x[:n] with add or maximum (v: scratch of 8): below 8
+    elements one after another; else 8-lane vectors (the partial last one into its first
+    lanes), then the lane tree (i, i + 4), (i, i ^ 2), (i, i ^ 1)."""
+    if n < _LANES8:
+        a = x[0]
+        for i in range(1, n):
+            a = _vop(a, x[i], add)
+        return a
+    for l in range(_LANES8):
+        v[l] = x[l]
+    d = _LANES8
+    while d < n:
+        for l in range(min(_LANES8, n - d)):
+            v[l] = _vop(v[l], x[d + l], add)
+        d += _LANES8
+    for h in (4, 2, 1):
+        for l in range(_LANES8):
+            j = (l + 4) % _LANES8 if h == 4 else l ^ h
+            v[_LANES8 + l] = _vop(v[l], v[j], add)
+        for l in range(_LANES8):
+            v[l] = v[_LANES8 + l]
+    return v[0]
+
+
+@njit(cache=True, nogil=True)
+def _softmax_row8(x, n, buf, v):
+    """x[:n] = torch.softmax(x[:n]) as ATen's AVX2 kernel computes it: the maximum, then
+    exp(x - max) (SLEEF), their sum, one reciprocal, each times it. buf: scratch of n
+    rounded up to 8; v: scratch of 16."""
+    m = _reduce_all8(x, n, False, v)
+    nb = buf.size
+    for i in range(nb):
+        buf[i] = x[i] - m if i < n else np.float32(0.0)
+    sexp8(buf, buf)
+    s = _reduce_all8(buf, n, True, v)
+    r = np.float32(1.0) / s
+    for i in range(n):
+        x[i] = buf[i] * r
+
+
+_ROWSUM_OK: bool | None = None
+
+
+def _rowsum_ok() -> bool:
+    """Whether _torch_row_sum gives torch.sum's bits here (ATen on its AVX2 path, rows
+    of 8..5,000, every cascade level and tail)."""
+    global _ROWSUM_OK
+    if _ROWSUM_OK is None:
+        _ROWSUM_OK = False
+        if torch.backends.cpu.get_cpu_capability() == "AVX2":
+            g = torch.Generator().manual_seed(20261203)
+            acc = np.empty((4, 4, _LANES8), np.float32)
+            ok = True
+            for d in (8, 9, 16, 31, 33, 64, 100, 255, 513, 1024, 2049, 5000):
+                x = torch.randn(8, d, generator=g) * torch.rand(8, 1, generator=g) * 10
+                got = np.array([_torch_row_sum(r, acc) for r in x.numpy()], np.float32)
+                ok = ok and np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32))
+            _ROWSUM_OK = ok
+    return _ROWSUM_OK
+
+
 # ------------------------------------------------------------------ gates, GLUs, router
 # exp and tanh must be torch's (its vectorised exp / tanh give bits numba's libm does
 # not, and a position-independent result, k3.model.ops). Where k3.model.vml can call
@@ -809,6 +958,18 @@ def _route_scale(wts, total, renorm, scale):
             wts[t, j] = (wts[t, j] / d if renorm else wts[t, j]) * scale
 
 
+@njit(cache=True, nogil=True)
+def _route_topk_sum(x, bias, k, ids, wts, e, scale, acc):
+    """_route_topk1, then the weights divided by (their sum + 1e-20) (the sum as torch's
+    row sum, _torch_row_sum), times scale: route_topk's renormalising form in one call."""
+    _route_topk1(x, bias, k, ids, wts, e)
+    T = ids.shape[0]
+    total = np.empty((T, 1), np.float32)
+    for t in range(T):
+        total[t, 0] = _torch_row_sum(wts[t], acc)
+    _route_scale(wts, total, True, scale)
+
+
 def _f32_vector(b: torch.Tensor) -> np.ndarray:
     return b.reshape(-1).to(torch.float32).numpy()
 
@@ -828,6 +989,11 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
         raise ValueError(f"route_topk: bias of {bn.shape[0]} experts, logits of {E}")
     ids = np.empty((T, k), np.int64)
     wts = np.empty((T, k), np.float32)
+    if USE_VML and renorm and k >= _LANES8 and _rowsum_ok():  # the renormalising sum re-done: one call
+        xn = _flat(logits)
+        _route_topk_sum(xn, bn, k, ids, wts, np.empty_like(xn), np.float32(scale),
+                        np.empty((4, 4, _LANES8), np.float32))
+        return torch.from_numpy(ids), torch.from_numpy(wts)
     if USE_VML:
         xn = _flat(logits)
         _route_topk1(xn, bn, k, ids, wts, np.empty_like(xn))
@@ -841,132 +1007,8 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
 
 # ------------------------------------------------------------------ Attention Residuals mix
 # K3's mix scores each source by the sum of its normed, weighted row and takes a softmax
-# over the sources: torch's float32 row sum and last-dim softmax decide those bits.
-# Below, both as ATen computes them on its AVX2 path (8-lane vectors): the sum's four
-# interleaved vector accumulators with their cascade levels (SumKernel's row_sum), the
-# softmax's vector max / exp / sum / reciprocal (SoftMaxKernel's _vec_softmax_lastdim,
-# SLEEF's exp), so the mix is ONE compiled call instead of seven torch ops and two
-# compiled ones. It switches itself on only where a check against torch's chain gives
-# the same bits (``_mix_ok``); anywhere else (AVX-512 torch, no SLEEF export) the chain
-# runs as before.
-_LANES8 = 8
-
-
-@njit(cache=True, nogil=True)
-def _ceil_log2(x):
-    r = 0
-    v = x - 1
-    while v > 0:
-        v >>= 1
-        r += 1
-    return r
-
-
-@njit(cache=True, nogil=True)
-def _torch_row_sum(x, acc):
-    """sum(x) for a 1-D float32 row of at least 8 elements, in the order of ATen's
-    vectorized inner sum: 8-lane vectors; four of them interleaved (vector 4i + k into
-    accumulator k) through up to four cascade levels of 2^p vectors each (p = max(4,
-    ceil_log2(n / 32) // 4)); leftover vectors into accumulator 0, accumulators 1..3
-    added to it; then the scalar tail from 0, then the 8 lanes in order. acc: scratch
-    [4, 4, 8] float32."""
-    d = x.size
-    nv = d // _LANES8
-    ni = nv // 4
-    acc[:] = 0
-    lp = max(4, _ceil_log2(ni) // 4) if ni > 1 else 4
-    step = 1 << lp
-    i = 0
-    while i + step <= ni:
-        for _ in range(step):
-            for k in range(4):
-                b = (4 * i + k) * _LANES8
-                for l in range(_LANES8):
-                    acc[0, k, l] += x[b + l]
-            i += 1
-        for j in range(1, 4):
-            for k in range(4):
-                for l in range(_LANES8):
-                    acc[j, k, l] += acc[j - 1, k, l]
-                    acc[j - 1, k, l] = 0
-            if i & ((step - 1) << (j * lp)):
-                break
-    while i < ni:
-        for k in range(4):
-            b = (4 * i + k) * _LANES8
-            for l in range(_LANES8):
-                acc[0, k, l] += x[b + l]
-        i += 1
-    for j in range(1, 4):
-        for k in range(4):
-            for l in range(_LANES8):
-                acc[0, k, l] += acc[j, k, l]
-    for v in range(4 * ni, nv):
-        for l in range(_LANES8):
-            acc[0, 0, l] += x[v * _LANES8 + l]
-    for k in range(1, 4):
-        for l in range(_LANES8):
-            acc[0, 0, l] += acc[0, k, l]
-    f = np.float32(0.0)
-    for e in range(nv * _LANES8, d):
-        f += x[e]
-    for l in range(_LANES8):
-        f += acc[0, 0, l]
-    return f
-
-
-@njit(cache=True, nogil=True)
-def _vop(a, b, add):
-    """ATen's vector add, or its maximum (NaN if either is; else b unless a > b)."""
-    if add:
-        return a + b
-    if a != a or b != b:
-        return np.float32(np.nan)
-    return a if a > b else b
-
-
-@njit(cache=True, nogil=True)
-def _reduce_all8(x, n, add, v):
-    """ATen's vec::reduce_all of x[:n] with add or maximum (v: scratch of 8): below 8
-    elements one after another; else 8-lane vectors (the partial last one into its first
-    lanes), then the lane tree (i, i + 4), (i, i ^ 2), (i, i ^ 1)."""
-    if n < _LANES8:
-        a = x[0]
-        for i in range(1, n):
-            a = _vop(a, x[i], add)
-        return a
-    for l in range(_LANES8):
-        v[l] = x[l]
-    d = _LANES8
-    while d < n:
-        for l in range(min(_LANES8, n - d)):
-            v[l] = _vop(v[l], x[d + l], add)
-        d += _LANES8
-    for h in (4, 2, 1):
-        for l in range(_LANES8):
-            j = (l + 4) % _LANES8 if h == 4 else l ^ h
-            v[_LANES8 + l] = _vop(v[l], v[j], add)
-        for l in range(_LANES8):
-            v[l] = v[_LANES8 + l]
-    return v[0]
-
-
-@njit(cache=True, nogil=True)
-def _softmax_row8(x, n, buf, v):
-    """x[:n] = torch.softmax(x[:n]) as ATen's AVX2 kernel computes it: the maximum, then
-    exp(x - max) (SLEEF), their sum, one reciprocal, each times it. buf: scratch of n
-    rounded up to 8; v: scratch of 16."""
-    m = _reduce_all8(x, n, False, v)
-    nb = buf.size
-    for i in range(nb):
-        buf[i] = x[i] - m if i < n else np.float32(0.0)
-    sexp8(buf, buf)
-    s = _reduce_all8(buf, n, True, v)
-    r = np.float32(1.0) / s
-    for i in range(n):
-        x[i] = buf[i] * r
-
-
+# over the sources (torch's row sum and softmax, re-done above): ONE compiled call
+# instead of seven torch ops and two compiled ones, where ``_mix_ok``.
 @njit(cache=True, nogil=True)
 def _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v):
     S, T, d = V.shape
@@ -1009,7 +1051,7 @@ def _mix_ok() -> bool:
     global _MIX_OK
     if _MIX_OK is None:
         _MIX_OK = False
-        if vml.HAS_SLEEF8 and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        if vml.HAS_SLEEF8 and _rowsum_ok():
             g = torch.Generator().manual_seed(20261202)
             ok = True
             for S, T, d in ((1, 1, 8), (2, 1, 64), (3, 2, 9), (5, 1, 1024), (8, 1, 100), (9, 3, 257),
