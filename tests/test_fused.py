@@ -586,6 +586,33 @@ def test_fused_short_conv(T, K, threads, math_form):
     assert same(y, ry) and same(s, rs)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_kda_inputs_equal_the_ops_one_by_one(T, threads, math_form):
+    """KDA's one-call input step (convs + SiLU, per-head L2 norms with q's scale, beta)
+    against the ops it replaces, from zero and from carried conv states, on the strided
+    column views the grouped projections hand over; and the gated output norm against
+    rms_norm then gate."""
+    g = torch.Generator().manual_seed(T + 40)
+    H, D, dv, K = 4, 32, 24, 4
+    ws = [torch.randn(c, 1, K, generator=g) for c in (H * D, H * D, H * dv)]
+    ws[2] = ws[2].to(torch.bfloat16)
+    wide = _x(g, T, 2 * H * D + H * dv + H) * 3.0
+    xs = [wide[:, :H * D], wide[:, H * D:2 * H * D], wide[:, 2 * H * D:2 * H * D + H * dv]]
+    b = wide[:, 2 * H * D + H * dv:]
+    for states in ([None] * 3, [torch.randn(K - 1, x.shape[1], generator=g) for x in xs]):
+        q, k, v, news, beta = fused.kda_inputs(xs, ws, states, b, H, 1e-6, D ** -0.5)
+        outs, rnews = ops.short_convs([x.contiguous() for x in xs], ws, states)
+        assert same(q, ops.l2_norm(outs[0].reshape(T, H, D), 1e-6, D ** -0.5))
+        assert same(q, ref_l2_norm(outs[0].reshape(T, H, D), 1e-6) * D ** -0.5)
+        assert same(k, ref_l2_norm(outs[1].reshape(T, H, D), 1e-6))
+        assert same(v, outs[2].reshape(T, H, dv))
+        assert same(beta, ops.sigmoid(b)) and all(same(a, r) for a, r in zip(news, rnews))
+    o = torch.randn(T, H, dv, generator=g) * 5.0
+    z = _x(g, T, H * dv) * 4.0
+    w = (1.0 + 0.1 * torch.randn(dv, generator=g)).to(torch.bfloat16)
+    assert same(fused.norm_gate(o, w, 1e-5, z), ops.gate(ref_rms_norm(o, w, 1e-5).reshape(T, -1), z))
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_fused_kda_recurrent(T, threads):
     g = torch.Generator().manual_seed(T)

@@ -1250,6 +1250,91 @@ def short_convs_silu(xs, ws, states):
 
 
 @njit(cache=True, nogil=True)
+def _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, eps, qgain, q, k, v, b, beta):
+    _short_convs3_silu(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2)
+    T = acc.shape[0]
+    c0, c1 = x0.shape[1], x1.shape[1]
+    qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
+    for t in range(T):                                  # each stream's rows, contiguous
+        for c in range(c0):
+            qf[t * c0 + c] = acc[t, c]
+        for c in range(c1):
+            kf[t * c1 + c] = acc[t, c0 + c]
+        for c in range(v.shape[1]):
+            vf[t * v.shape[1] + c] = acc[t, c0 + c1 + c]
+    _norm_rows(q, eps, qgain, False, q)                 # in place: a row's statistic comes first
+    _norm_rows(k, eps, _NO_GAIN, False, k)
+    _sigmoid1(b.reshape(-1), beta.reshape(-1))
+
+
+_QGAINS: dict = {}
+
+
+def scale_gain(d: int, scale: float) -> torch.Tensor:
+    """A norm gain of d copies of fp32(scale): norm_rows' last multiply then applies a
+    scale as torch's tensor * number would after the norm."""
+    key = (d, float(scale))
+    g = _QGAINS.get(key)
+    if g is None:
+        g = _QGAINS[key] = torch.full((d,), float(scale), dtype=torch.float32)
+    return g
+
+
+def kda_inputs(xs, ws, states, b: torch.Tensor, n_heads: int, eps: float, q_scale: float):
+    """KDA's inputs from its projections, in one compiled call where the fused math runs
+    (USE_VML): the causal convs + SiLU of q, k, v (short_convs_silu), q and k L2-normed
+    per head (norm_rows without the mean, q times q_scale in the norm's last multiply),
+    beta = sigmoid(b). The same operations, in the same order, as those calls one by one.
+    Returns (q [T, H, dk], k [T, H, dk], v [T, H, dv], [new conv states], beta [T, H])."""
+    T = xs[0].shape[0]
+    cs = [x.shape[1] for x in xs]
+    if not USE_VML or len(xs) != 3 or cs[0] % n_heads or cs[1] != cs[0] or cs[2] % n_heads:
+        (q, k, v), news = short_convs_silu(xs, ws, states)
+        q = norm_rows(q.reshape(T, n_heads, -1), eps, scale_gain(cs[0] // n_heads, q_scale), mean=False)
+        k = norm_rows(k.reshape(T, n_heads, -1), eps, mean=False)
+        return q, k, v.reshape(T, n_heads, -1), news, sigmoid(b)
+    D = cs[0] // n_heads
+    wn = tuple(described(w, _conv_taps) for w in ws)
+    sn = tuple(np.zeros((wk.shape[0] - 1, c), np.float32) if st is None else _array(st)
+               for wk, st, c in zip(wn, states, cs))
+    news = tuple(np.empty((wk.shape[0] - 1, c), np.float32) for wk, c in zip(wn, cs))
+    acc = np.empty((T, sum(cs)), np.float32)
+    q = np.empty((T * n_heads, D), np.float32)
+    k = np.empty((T * n_heads, D), np.float32)
+    v = np.empty((T, cs[2]), np.float32)
+    bn = _array(b)
+    beta = np.empty(bn.shape, np.float32)
+    _kda_inputs1(*(_array(x) for x in xs), *wn, *sn, acc, np.empty_like(acc), *news, float(eps),
+                 described(scale_gain(D, q_scale), _gain_array), q, k, v, bn, beta)
+    return (torch.from_numpy(q.reshape(T, n_heads, D)), torch.from_numpy(k.reshape(T, n_heads, D)),
+            torch.from_numpy(v.reshape(T, n_heads, -1)), [torch.from_numpy(n) for n in news],
+            torch.from_numpy(beta))
+
+
+@njit(cache=True, nogil=True)
+def _norm_gate1(o, eps, w, z, y, out):
+    _norm_rows(o, eps, w, True, y)
+    _gate1(y.reshape(-1), z, out)
+
+
+def norm_gate(o: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
+    """RMS norm of o's rows [..., d] times the gain w, then times sigmoid(z) (z of o's
+    size, flat): fla's FusedRMSNormGated (sigmoid), as norm_rows then gate, in one
+    compiled call where the fused math runs. Returns [numel / z's last dim..., ] shaped
+    like z."""
+    if not USE_VML:
+        return gate(norm_rows(o, eps, w).reshape(z.shape), z)
+    on = _array(o)
+    on = on.reshape(-1, on.shape[-1])
+    zn = _flat(z)
+    if zn.size != on.size:
+        raise ValueError(f"norm_gate: o {tuple(o.shape)} and z {tuple(z.shape)} differ in size")
+    out = np.empty(zn.size, np.float32)
+    _norm_gate1(on, float(eps), described(w, _gain_array), zn, np.empty_like(on), out)
+    return torch.from_numpy(out.reshape(z.shape))
+
+
+@njit(cache=True, nogil=True)
 def _decay_pre(u, dtb, A, H, lb_mode, x, buf):
     T, HD = u.shape
     dk = HD // H

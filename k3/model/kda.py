@@ -17,8 +17,8 @@ import weakref
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_decay as fused_kda_decay, kda_recurrent_steps
-from .ops import gate as output_gate, grouped_linear, l2_norm, linear, linears, rms_norm, short_convs, sigmoid
+from .fused import kda_decay as fused_kda_decay, kda_inputs, kda_recurrent_steps, norm_gate
+from .ops import grouped_linear, linear, linears
 
 CHUNK = 16
 # Below this many tokens the recurrent form is used even for prefill.
@@ -198,11 +198,10 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
     q_in, k_in, v_in, f_a, b, z = linears(x, [w[f"self_attn.{n}.weight"] for n in (
         "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]])
-    (q, k, v), (st.conv_q, st.conv_k, st.conv_v) = short_convs(
-        [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v])
-    q = l2_norm(q.reshape(T, H, D), KDA_L2_EPS, D ** -0.5)
-    k = l2_norm(k.reshape(T, H, D), KDA_L2_EPS)
-    v = v.reshape(T, H, -1)
+    # convs + SiLU, q and k L2-normed per head (q scaled), beta = sigmoid(b): one call
+    q, k, v, (st.conv_q, st.conv_k, st.conv_v), beta = kda_inputs(
+        [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v],
+        b, H, KDA_L2_EPS, D ** -0.5)
     f_b = w["self_attn.f_b_proj.weight"]
     if cfg.kda_full_rank_gate:
         u = linear(f_a, f_b)
@@ -223,7 +222,6 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
     else:  # the recurrent form also takes exp(g), made in the decay's own call
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound, with_exp=True)
-    beta = sigmoid(b)  # [T, H]
     if st.record is not None:
         st.record.update(q_in=q_in, k_in=k_in, v_in=v_in, q=q, k=k, v=v, g=g, beta=beta,
                          conv_len=w["self_attn.q_conv1d.weight"].shape[-1] - 1)
@@ -233,6 +231,5 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
         o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])), eg=eg)
     st.advance(S)
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
-    o = rms_norm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
-    o = output_gate(o.reshape(T, -1), z)
+    o = norm_gate(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)
     return linear(o, w["self_attn.o_proj.weight"])

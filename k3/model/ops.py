@@ -144,20 +144,13 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     return y, st
 
 
-_SCALES: dict[tuple[int, float], torch.Tensor] = {}
-
-
 def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (sum, not mean); the sum in fp64.
     ``scale``: the result times scale, in the same call (the scale rounded to fp32
     first, as torch's tensor * number rounds it)."""
     if scale is None:
         return norm_rows(x, eps, mean=False)
-    key = (x.shape[-1], float(scale))
-    gain = _SCALES.get(key)
-    if gain is None:  # a gain vector of the scale: norm_rows multiplies by it last
-        gain = _SCALES[key] = torch.full((x.shape[-1],), float(scale), dtype=torch.float32)
-    return norm_rows(x, eps, gain, mean=False)
+    return norm_rows(x, eps, fused.scale_gain(x.shape[-1], scale), mean=False)
 
 
 def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
