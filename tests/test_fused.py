@@ -613,6 +613,29 @@ def test_kda_inputs_equal_the_ops_one_by_one(T, threads, math_form):
     assert same(fused.norm_gate(o, w, 1e-5, z), ops.gate(ref_rms_norm(o, w, 1e-5).reshape(T, -1), z))
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("situ", [None, (4.0, None), (4.0, 0.5)])
+def test_moe_mix_equals_the_ops_one_by_one(T, situ, math_form):
+    """The MoE block's one compiled step between kernels (weighted sum of the routed
+    contributions, latent norm, shared GLU) against weighted_sum, rms_norm and the GLU
+    one by one; without the norm, and without a shared expert; the shared gate and up
+    as the side-by-side views of one grouped projection."""
+    g = torch.Generator().manual_seed(T * 7 + (0 if situ is None else 1 + (situ[1] is not None)))
+    k, d, inter = 8, 96, 40
+    contrib = torch.randn(T, k, d, generator=g) * 3.0
+    wts = torch.rand(T, k, generator=g)
+    nw = (1.0 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)
+    flat = torch.randn(T, 2 * inter, generator=g) * 6.0
+    gu = (flat[:, :inter], flat[:, inter:])
+    glu = (lambda a, b: fused.situ_glu(a, b, *situ)) if situ is not None else fused.silu_glu
+    r, h = fused.moe_mix(contrib, wts, nw, 1e-5, gu, situ)
+    assert same(r, ref_rms_norm(fused.weighted_sum(contrib, wts), nw, 1e-5))
+    assert same(r, ops.rms_norm(ref_weighted_sum(contrib, wts), nw, 1e-5))
+    assert same(h, glu(gu[0].contiguous(), gu[1].contiguous()))
+    r2, h2 = fused.moe_mix(contrib, wts, None, 1e-5, None, situ)
+    assert h2 is None and same(r2, ref_weighted_sum(contrib, wts))
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_fused_kda_recurrent(T, threads):
     g = torch.Generator().manual_seed(T)

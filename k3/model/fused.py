@@ -795,6 +795,47 @@ def _glu_of(g, u, situ: bool, beta: float, linear_beta: float | None) -> torch.T
     return torch.from_numpy(out.reshape(g.shape))
 
 
+@njit(cache=True, nogil=True)
+def _moe_mix1(c, wts, r, norm, eps, nw, gu, h, situ, beta, lb, has_lb):
+    _weighted_sum(c, wts, r)
+    if norm:
+        _norm_rows(r, eps, nw, True, r)               # in place: a row's statistic comes first
+    if gu.size:
+        _glu_into(gu, h, situ, beta, lb, has_lb)
+
+
+def moe_mix(contrib: torch.Tensor, wts: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
+            shared_gu, situ: tuple | None):
+    """The MoE block's compiled steps between its kernel calls, in one call where the
+    fused math runs: the routed contributions [T, k, d] summed with the router weights
+    (weighted_sum), RMS-normed with norm_w when given (norm_rows), and the shared expert's
+    GLU of its gate and up projections shared_gu = (g, u) when given (SiTU-GLU with situ =
+    (beta, linear_beta), else SiLU-GLU). Returns (r [T, d], the GLU [T, inter] or None),
+    the bits of those calls one by one."""
+    if not USE_VML:
+        r = weighted_sum(contrib, wts)
+        if norm_w is not None:
+            r = norm_rows(r, eps, norm_w)
+        if shared_gu is None:
+            return r, None
+        g, u = shared_gu
+        return r, (situ_glu(g, u, *situ) if situ is not None else silu_glu(g, u))
+    T, _, d = contrib.shape
+    r = np.empty((T, d), np.float32)
+    if shared_gu is None:
+        gu, h = _NO_GAIN, np.empty((0, 0), np.float32)
+    else:
+        g, u = (_flat(a) for a in shared_gu)
+        if g.size != u.size:
+            raise ValueError(f"moe_mix: gate {tuple(shared_gu[0].shape)} and up {tuple(shared_gu[1].shape)} differ")
+        gu, h = np.concatenate((g, u)), np.empty(shared_gu[0].shape, np.float32)
+    has_lb = situ is not None and situ[1] is not None
+    _moe_mix1(contrib.numpy(), wts.numpy(), r, norm_w is not None, float(eps),
+              _NO_GAIN if norm_w is None else described(norm_w, _gain_array), gu, h, situ is not None,
+              np.float32(situ[0] if situ is not None else 1.0), np.float32(situ[1] if has_lb else 1.0), has_lb)
+    return torch.from_numpy(r), (None if shared_gu is None else torch.from_numpy(h))
+
+
 def silu_glu(g, u) -> torch.Tensor:
     """silu(g) * u per element (g and u float32 tensors or arrays of one shape):
     (g / (exp(-g) + 1)) * u, each operation rounded in that order, exp torch's."""

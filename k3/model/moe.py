@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..quant.bf16 import described
-from .fused import expert_ffn, route_topk, weighted_sum
-from .ops import glu_act, kernel_format, linear, linears, mlp, rms_norm
+from .fused import expert_ffn, moe_mix, route_topk
+from .ops import glu_act, kernel_format, linear, linears, mlp
 
 
 def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +110,15 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> t
         observer.on_route(layer, ids)
     # Each expert runs once over the tokens that chose it; contributions are then summed
     # per token in top-k order, whatever groups the provider hands the experts out in.
-    r = weighted_sum(routed_experts(cfg, z, ids, layer, provider), wts)
+    # the weighted sum of the contributions, the latent norm and the shared expert's GLU: one call
+    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
+    norm_w = w[p + "routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None
+    r, h = moe_mix(routed_experts(cfg, z, ids, layer, provider), wts, norm_w, cfg.rms_norm_eps,
+                   outs[-2:] if cfg.num_shared_experts else None, situ)
     if latent:
-        if cfg.latent_moe_use_norm:
-            r = rms_norm(r, w[p + "routed_expert_norm.weight"], cfg.rms_norm_eps)
         r = linear(r, w[p + "routed_expert_up_proj.weight"])
     if cfg.num_shared_experts:
-        r = r + mlp(cfg, x, None, None, w[s + "down_proj.weight"], gu=outs[-2:])
+        r = r + linear(h, w[s + "down_proj.weight"])
     return r
 
 
