@@ -433,6 +433,33 @@ def test_attn_mix_equals_the_torch_chain(S, T, d, threads):
     assert torch.equal(torch.isnan(got), torch.isnan(want))
 
 
+@pytest.mark.parametrize("past", [0, 1, 6, 7, 8, 40, 300])
+def test_attend_latent_one_tile_decode_equals_the_tiles(past, threads, math_form, monkeypatch):
+    """A decode step's attention over one key tile in one pass (scores, softmax and its
+    torch row sum in one compiled call, no running maximum) against the general tiled
+    online softmax, at cache lengths below, at and past a vector of 8 keys; and the one
+    pass against torch's chain written out."""
+    from k3.model import mla
+    g = torch.Generator().manual_seed(past + 3)
+    H, L, R = 4, 64, 16
+    q_lat, q_pe = torch.randn(1, H, L, generator=g) * 2, torch.randn(1, H, R, generator=g)
+    c, kpe = torch.randn(past + 1, L, generator=g), torch.randn(past + 1, R, generator=g) * 3
+    scale = (48 + R) ** -0.5
+    fast = mla.attend_latent(q_lat, q_pe, c, kpe, past, scale)
+    with monkeypatch.context() as m:
+        m.setattr(mla, "scores_softmax", lambda *a: None)
+        tiles = mla.attend_latent(q_lat, q_pe, c, kpe, past, scale)
+    assert same(fast, tiles)
+    a, b = torch.randn(H * (past + 1), generator=g) * 5, torch.randn(H * (past + 1), generator=g)
+    one = fused.scores_softmax(a, b, scale, H, past + 1)
+    if one is None:
+        assert not fused.USE_VML or not fused._rowsum_ok()
+        return
+    sc = (a + b).view(H, past + 1) * scale
+    rp = torch.exp(sc - sc.amax(-1, keepdim=True))
+    assert same(one[0], rp) and same(one[1], rp.sum(-1))
+
+
 def ref_kda_decay(u, a_log, dt_bias, n_heads, lower_bound):
     """kda.kda_decay before the fusion, verbatim (its softplus with log1p(y) as
     log(1 + y) * y / ((1 + y) - 1))."""

@@ -474,13 +474,21 @@ def _ceil_log2(x):
 
 @njit(cache=True, nogil=True)
 def _torch_row_sum(x, acc):
-    """sum(x) for a 1-D float32 row of at least 8 elements, in the order of ATen's
-    vectorized inner sum: 8-lane vectors; four of them interleaved (vector 4i + k into
+    """sum(x) for a 1-D float32 row, in the order of ATen's inner sum. From 8 elements
+    (vectorized): 8-lane vectors; four of them interleaved (vector 4i + k into
     accumulator k) through up to four cascade levels of 2^p vectors each (p = max(4,
     ceil_log2(n / 32) // 4)); leftover vectors into accumulator 0, accumulators 1..3
-    added to it; then the scalar tail from 0, then the 8 lanes in order. acc: scratch
-    [4, 4, 8] float32."""
+    added to it; then the scalar tail from 0, then the 8 lanes in order. Below 8
+    (scalar): elements 0..3 into four accumulators, the rest into the first, then the
+    others added to it. acc: scratch [4, 4, 8] float32."""
     d = x.size
+    if d < _LANES8:
+        p0 = p1 = p2 = p3 = np.float32(0.0)
+        if d >= 4:
+            p0, p1, p2, p3 = p0 + x[0], p1 + x[1], p2 + x[2], p3 + x[3]
+        for e in range(4 * (d // 4), d):
+            p0 += x[e]
+        return np.float32(0.0) + (((p0 + p1) + p2) + p3)
     nv = d // _LANES8
     ni = nv // 4
     acc[:] = 0
@@ -582,7 +590,7 @@ _ROWSUM_OK: bool | None = None
 
 def _rowsum_ok() -> bool:
     """Whether _torch_row_sum gives torch.sum's bits here (ATen on its AVX2 path, rows
-    of 8..5,000, every cascade level and tail)."""
+    of 1..5,000, the scalar form, every cascade level and tail)."""
     global _ROWSUM_OK
     if _ROWSUM_OK is None:
         _ROWSUM_OK = False
@@ -590,7 +598,7 @@ def _rowsum_ok() -> bool:
             g = torch.Generator().manual_seed(20261203)
             acc = np.empty((4, 4, _LANES8), np.float32)
             ok = True
-            for d in (8, 9, 16, 31, 33, 64, 100, 255, 513, 1024, 2049, 5000):
+            for d in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 31, 33, 64, 100, 255, 513, 1024, 2049, 5000):
                 x = torch.randn(8, d, generator=g) * torch.rand(8, 1, generator=g) * 10
                 got = np.array([_torch_row_sum(r, acc) for r in x.numpy()], np.float32)
                 ok = ok and np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32))
@@ -1172,6 +1180,44 @@ def softmax_tile(sc: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch
     mshape = m.shape
     return torch.from_numpy(scn.reshape(shape)), torch.from_numpy(m_new.reshape(mshape)), \
         torch.from_numpy(corr.reshape(mshape))
+
+
+@njit(cache=True, nogil=True)
+def _scores_softmax1(a, b, scale, p, s, acc):
+    R, n = p.shape
+    for r in range(R):
+        mx = -np.inf
+        seen_nan = False
+        for j in range(n):
+            v = (a[r * n + j] + b[r * n + j]) * scale
+            p[r, j] = v
+            if v != v:
+                seen_nan = True
+            elif v > mx:
+                mx = v
+        mn = np.float32(np.nan) if seen_nan else np.float32(mx)
+        for j in range(n):
+            p[r, j] = p[r, j] - mn
+    e = p.reshape(-1)
+    vexp(e, e)
+    for r in range(R):
+        s[r] = _torch_row_sum(p[r], acc)
+
+
+def scores_softmax(a: torch.Tensor, b: torch.Tensor, scale: float, rows: int, n: int):
+    """The first (and only) key tile of an online softmax, whole: scores sc = (a + b) *
+    scale ([rows, n], a and b flat, fp32 with the scale rounded to fp32, as torch's ops),
+    p = exp(sc - max(sc)) per row (torch's exp), and each row's sum as torch's row sum.
+    The running maximum starts at -inf, so the correction factor is 0 and the tile's
+    merge leaves den = sum, acc = the weighted values: the caller divides. Returns (p
+    [rows, n], sums [rows]), or None where the fused math or the row sum is not torch's
+    here (the caller then runs the general tiles)."""
+    if not (USE_VML and _rowsum_ok()):
+        return None
+    p = np.empty((rows, n), np.float32)
+    sums = np.empty(rows, np.float32)
+    _scores_softmax1(_flat(a), _flat(b), np.float32(scale), p, sums, np.empty((4, 4, _LANES8), np.float32))
+    return torch.from_numpy(p), torch.from_numpy(sums)
 
 
 @njit(cache=True, nogil=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .fused import dots, prods, softmax_merge, softmax_tile
+from .fused import dots, prods, scores_softmax, softmax_merge, softmax_tile
 from .ops import gate as output_gate, linear, linears, rms_norm
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -81,6 +81,14 @@ def attend_latent(q_lat, q_pe, c, kpe, past: int, scale: float) -> torch.Tensor:
     R = q_pe.shape[-1]
     ql2, qp2 = (a.contiguous().view(T, -1) for a in (q_lat, q_pe))
     c, kpe = c.contiguous(), kpe.contiguous()
+    if T == 1 and past < K_TILE:  # decode, one key tile: no running maximum to carry
+        n = past + 1
+        one = scores_softmax(dots(ql2, c, H, 1, n, L, x_at=(0, 0, 0, L), causal=past),
+                             dots(qp2, kpe, H, 1, n, R, x_at=(0, 0, 0, R), causal=past), scale, H, n)
+        if one is not None:
+            p, s = one
+            v = prods(p, c, H, 1, L, n, x_at=(0, 1, 0, 0), causal=past).view(H, L)
+            return (v / s.view(H, 1)).view(1, H, L)
 
     def scores(t0, t1, s0, s1):
         m, n, lim = t1 - t0, s1 - s0, past + t0 - s0
