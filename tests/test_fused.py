@@ -640,6 +640,17 @@ def test_kda_inputs_equal_the_ops_one_by_one(T, threads, math_form):
     assert same(fused.norm_gate(o, w, 1e-5, z), ops.gate(ref_rms_norm(o, w, 1e-5).reshape(T, -1), z))
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_add_norm_is_the_add_then_the_norm(T):
+    g = torch.Generator().manual_seed(T)
+    h, a = torch.randn(T, 200, generator=g) * 3, torch.randn(T, 200, generator=g) * 1e3
+    w = (1.0 + 0.1 * torch.randn(200, generator=g)).to(torch.bfloat16)
+    s, y = fused.add_norm(h, a, w, 1e-6)
+    assert same(s, h + a) and same(y, ref_rms_norm(h + a, w, 1e-6))
+    with pytest.raises(ValueError, match="differ"):
+        fused.add_norm(h, a[:, :100], w, 1e-6)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("situ", [None, (4.0, None), (4.0, 0.5)])
 def test_moe_mix_equals_the_ops_one_by_one(T, situ, math_form):

@@ -140,6 +140,28 @@ def _norm_rows(x, eps, w, mean, out):
 _NO_GAIN = np.empty(0, np.float32)
 
 
+@njit(cache=True, nogil=True)
+def _add_norm(h, a, eps, w, s, out):
+    hf, af, sf = h.reshape(-1), a.reshape(-1), s.reshape(-1)
+    for i in range(sf.size):
+        sf[i] = hf[i] + af[i]
+    _norm_rows(s, eps, w, True, out)
+
+
+def add_norm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor | None, eps: float):
+    """(h + a, rms_norm(h + a) times the gain w): a residual add and the pre-norm of the
+    next sublayer in one compiled call (each sum rounded, then norm_rows' arithmetic).
+    h, a float32 [T, d] of one shape."""
+    if h.shape != a.shape:
+        raise ValueError(f"add_norm: {tuple(h.shape)} and {tuple(a.shape)} differ")
+    hn, an = _array(h), _array(a)
+    hn2 = hn.reshape(-1, hn.shape[-1])
+    s = np.empty(hn2.shape, np.float32)
+    out = np.empty(hn2.shape, np.float32)
+    _add_norm(hn2, an.reshape(hn2.shape), float(eps), _NO_GAIN if w is None else described(w, _gain_array), s, out)
+    return torch.from_numpy(s.reshape(hn.shape)), torch.from_numpy(out.reshape(hn.shape))
+
+
 def _gain_array(w: torch.Tensor) -> np.ndarray:
     """A norm gain as the kernel reads it: bf16 bits as stored (int16), else fp32."""
     w = w.reshape(-1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NumericError
-from .fused import all_finite
+from .fused import add_norm, all_finite
 from .kda import KDAState, kda_layer
 from .kda import rollback as kda_rollback
 from .mla import MLAState, mla_layer
@@ -155,8 +155,10 @@ class Model:
 
     def plain_layer(self, i, w, h, states, cuts, obs=None):
         eps = self.cfg.rms_norm_eps
-        h = h + self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts)
-        return h + self._ffn(i, w, rms_norm(h, w["post_attention_layernorm.weight"], eps), obs)
+        # the residual add and the next pre-norm in one call
+        h, y = add_norm(h, self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts),
+                        w["post_attention_layernorm.weight"], eps)
+        return h + self._ffn(i, w, y, obs)
 
     def attn_res_layer(self, i, w, bank: list, P, states, cuts, obs=None):
         """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
