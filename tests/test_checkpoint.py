@@ -117,6 +117,21 @@ def test_st_fixture_matches_safetensors_library():
     assert ix.total_bytes == sum(ix.get(n).nbytes for n in ix.names())
 
 
+def test_load_tensors_into_one_buffer_match_the_library():
+    """Several tensors read into one huge-page buffer (a resident layer's matrices): each
+    the library's bytes, dtype and shape, at whatever offset phase it lies in its shard,
+    with O_DIRECT and buffered reads alike."""
+    from k3.checkpoint.io import load_tensors
+    ix = CheckpointIndex.open(ST_DIR)
+    for shard in sorted(ST_DIR.glob("*.safetensors")):
+        ref = safetensors.torch.load_file(str(shard))
+        names = sorted(ref)
+        for use_direct in (True, False):
+            with ShardFiles(use_direct=use_direct) as r:
+                for name, t in zip(names, load_tensors([ix.get(n) for n in names], r)):
+                    assert_same_tensor(t, ref[name])
+
+
 def test_st_fixture_awkward_tensors_are_covered():
     ix = CheckpointIndex.open(ST_DIR)
     with ShardFiles() as r:

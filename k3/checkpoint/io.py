@@ -47,6 +47,7 @@ __all__ = [
     "ReadHook",
     "ShardFiles",
     "aligned_empty",
+    "load_tensors",
     "direct_span",
     "load_tensor",
 ]
@@ -421,6 +422,30 @@ def load_tensor(info: TensorInfo, reader: ShardFiles | None = None, direct: bool
     else:
         reader.read_into(info, buf)
     return buf.view(dt).reshape(info.shape)
+
+
+def load_tensors(infos, reader: ShardFiles) -> list[torch.Tensor]:
+    """Read several tensors (a layer's matrices) into ONE buffer, each with O_DIRECT into
+    its own align-widened span, the buffer's whole 2 MiB pages advised as transparent
+    huge pages (``aligned_empty``). Tensors read one by one got huge pages only when each
+    was 2 MiB or more: the small matrices of small and mid-sized models sat in 4 KiB
+    pages, one TLB entry per 4 KiB while a kernel streams them (docs/PERFORMANCE.md:
+    +10-13 % read rate). Returns the tensors in ``infos``' order, views of the buffer
+    (they keep it alive), each of its dtype and shape."""
+    infos = list(infos)
+    spans = [direct_span(i.offset, i.nbytes, reader.align)[1] for i in infos]
+    arena = aligned_empty(sum(spans), reader.align, huge=True)
+    out, at = [], 0
+    for info, n in zip(infos, spans):
+        dt = TORCH_DTYPES.get(info.dtype)
+        if dt is None:  # unreachable for headers parsed by read_header
+            raise ValueError(f"no torch dtype for safetensors dtype {info.dtype!r}")
+        payload = reader.read_direct(info, out=arena[at:at + n])
+        if payload.ctypes.data % info.itemsize:
+            payload = payload.copy()
+        out.append(torch.from_numpy(payload).view(dt).reshape(info.shape))
+        at += n
+    return out
 
 
 class FaultHook:

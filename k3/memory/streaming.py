@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..checkpoint.io import ShardFiles, load_tensor
+from ..checkpoint.io import ShardFiles, load_tensor, load_tensors
 from ..checkpoint.layout import CheckpointLayout
 from ..model.schema import global_specs, layer_specs
 from .expert_cache import ExpertCache, expert_slot_bytes
@@ -93,8 +93,7 @@ class StreamingWeights:
         else:
             self._layers = []
             for i in layout.layer_ids:
-                self._layers.append({rel: self._load(f"layers.{i}.{rel}", sp.kind)
-                                     for rel, sp in layer_specs(cfg, i).items()})
+                self._layers.append(self._load_layer(i))
                 if progress is not None:
                     progress(i)
 
@@ -102,6 +101,16 @@ class StreamingWeights:
         self.cache = ExpertCache(layout, plan.cache_slots, reader=expert_reader or self.reader,
                                  io_threads=plan.budgets.io_threads, trace=trace)
         self.load_seconds = time.perf_counter() - t0
+
+    def _load_layer(self, i) -> dict:
+        """Layer i's tensors for a resident trunk: its matrices in one huge-page buffer
+        (``load_tensors``: the kernels stream them), its small vectors widened to fp32."""
+        specs = layer_specs(self.config, i)
+        mats = [rel for rel, sp in specs.items() if sp.kind == "matrix"]
+        infos = [self.layout.info(f"layers.{i}.{rel}") for rel in mats]
+        self.bytes_read += sum(info.nbytes for info in infos)
+        got = dict(zip(mats, load_tensors(infos, self.reader)))
+        return {rel: got[rel] if rel in got else self._load(f"layers.{i}.{rel}", sp.kind) for rel, sp in specs.items()}
 
     def _load(self, rel, kind):
         self.bytes_read += self.layout.info(rel).nbytes
