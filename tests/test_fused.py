@@ -741,6 +741,13 @@ def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threa
     shared = fused.prods(p.reshape(-1, S), lat, H, T, 64, S, x_at=(0, T, 0, 0), out_at=(64, H * 64)).view(T, H, 64)
     for h in range(H):
         assert same(shared[:, h], fused.prods(p[h], lat, 1, T, 64, S).view(T, 64))
+    # one row (decode) streams w's rows whole: the bits of the register tiles, bf16 w too
+    wb = (torch.randn(H * 37, 100, generator=g) * 0.5).to(torch.bfloat16)
+    xq = torch.randn(4, H * 37, generator=g)
+    block = fused.prods(xq, wb, H, 4, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 4, 100)
+    for t in range(4):
+        one = fused.prods(xq[t:t + 1], wb, H, 1, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 100)
+        assert same(one, block[:, t])
 
 
 def test_all_finite_matches_isfinite():

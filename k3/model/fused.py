@@ -380,6 +380,54 @@ def make_tile_nn(max_nt, nv, v):
     return intrinsic(typer)
 
 
+@intrinsic
+def _axpy_row(typingctx, a, xk, w, wr, wo, n):
+    """a[c] = fma(xk, fp32(w[wr, wo + c]), a[c]) for c < n (a float32 1-D, w float32 or
+    bf16 bits C 2-D): one row of w streamed, four vectors of _V lanes a step, a scalar
+    tail. Each element one fma, as the register tiles do it."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 and xk == types.float32
+            and c_matrix(w, W_DTYPES["any"]) and all(isinstance(t, types.Integer) for t in (wr, wo, n))):
+        return None
+    sig = types.void(a, xk, w, wr, wo, n)
+
+    def codegen(context, builder, sig, args):
+        a_v, xk_v, w_v, wr_v, wo_v, n_v = args
+        wr_v, wo_v, n_v = (context.cast(builder, v, t, types.int64) for v, t in zip((wr_v, wo_v, n_v), sig.args[3:]))
+        v = _V
+        vt = ir.VectorType(_F32, v)
+        wf32 = sig.args[2].dtype == types.float32
+        ap = _data_ptr(context, builder, sig.args[0], a_v)
+        wp = _row_ptr(context, builder, sig.args[2], w_v, wr_v, wo_v)
+        xb = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), xk_v, _I32(0)),
+                                    ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, v), [0] * v))
+        step = 4 * v
+        nsteps = builder.sdiv(n_v, _I64(step))
+
+        def body(j, vals):
+            base = builder.mul(j, _I64(step))
+            for q in range(4):
+                e = builder.add(base, _I64(q * v))
+                wv = _vload(builder, wp, e, _F32, v) if wf32 else widen_bf16_vec(builder, _vload(builder, wp, e, _I16, v))
+                _vstore(builder, _vfma(builder, xb, wv, _vload(builder, ap, e, _F32, v)), ap, e)
+            return vals
+
+        counted_loop(builder, nsteps, [], body, "axpy")
+
+        def tail(j, vals):
+            e = builder.add(builder.mul(nsteps, _I64(step)), j)
+            wp_e = builder.gep(wp, [e], inbounds=True)
+            wx = builder.load(wp_e)
+            wx = wx if wf32 else builder.bitcast(builder.shl(builder.zext(wx, _I32), _I32(16)), _F32)
+            ap_e = builder.gep(ap, [e], inbounds=True)
+            builder.store(builder.fma(xk_v, wx, builder.load(ap_e)), ap_e)
+            return vals
+
+        counted_loop(builder, builder.sub(n_v, builder.mul(nsteps, _I64(step))), [], tail, "axpy_t")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _NTN, _NVN = {"avx512": (4, 4), "avx2": (4, 2), "generic": (4, 2)}[_ISA]
 _CWN = _NVN * _V               # columns per product tile
 _tile_nn = make_tile_nn(_NTN, _NVN, _V)
@@ -403,6 +451,13 @@ def _prods(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on
         wr = wr0 + g * wrg
         wo = wo0 + g * wog
         ob = g * og + i0 * ostride
+        if nt == 1 and N >= _CWN:      # one row (decode): w's rows streamed whole, the chains in L1
+            a = np.zeros(N, np.float32)
+            for k in range(kk):         # (the register tiles walk w a tile of columns at a time,
+                _axpy_row(a, x[xr, xo + k], w, wr + k, wo, N)  # row after strided row)
+            for c in range(N):
+                out[ob + c] = a[c]
+            continue
         n = 0
         while n + _CWN <= N:
             _tile_nn(nt, x, xr, xo, w, wr, wo + n, kk, out, ob + n, ostride)
