@@ -426,6 +426,8 @@ def test_attn_mix_equals_the_torch_chain(S, T, d, threads):
     V[-1, 0] *= 1e4
     w = torch.randn(d, generator=g) * 2
     assert same(fused.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6))
+    nw = (1.0 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)   # the next pre-norm, same call
+    assert same(fused.attn_mix(V, w, 1e-6, (nw, 1e-5)), ref_rms_norm(ref_attn_mix(V, w, 1e-6), nw, 1e-5))
     assert same(fused.attn_mix(V.bfloat16().float(), w, 1e-6), ref_attn_mix(V.bfloat16().float(), w, 1e-6))
     # a non-finite source gives NaN where the chain does (the layer's finite check then stops the pass)
     V[0, -1, 3] = float("inf")

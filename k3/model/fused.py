@@ -1146,6 +1146,12 @@ def _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v):
     _weighted_sum(V.transpose(1, 0, 2), scores, out)
 
 
+@njit(cache=True, nogil=True)
+def _attn_mix_norm(V, w, eps, out, scaled, scores, acc, buf, v, nw, neps, normed):
+    _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v)
+    _norm_rows(out, neps, nw, True, normed)
+
+
 def _attn_mix_torch(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The mix as torch's chain (the reference and the fallback)."""
     scaled = norm_rows(V, eps, w)
@@ -1156,14 +1162,19 @@ def _attn_mix_torch(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     return weighted_sum(V.permute(1, 0, 2), a)  # fixed summation order: source 0, 1, ...
 
 
-def _attn_mix_compiled(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _attn_mix_compiled(V: torch.Tensor, w: torch.Tensor, eps: float, post=None) -> torch.Tensor:
     S, T, d = V.shape
     Vn = _array(V)
     out = np.empty((T, d), np.float32)
-    _attn_mix(Vn, described(w, _gain_array), float(eps), out, np.empty((S * T, d), np.float32),
-              np.empty((T, S), np.float32), np.empty((4, 4, _LANES8), np.float32),
-              np.empty(-(-S // _LANES8) * _LANES8, np.float32), np.empty(2 * _LANES8, np.float32))
-    return torch.from_numpy(out)
+    args = (Vn, described(w, _gain_array), float(eps), out, np.empty((S * T, d), np.float32),
+            np.empty((T, S), np.float32), np.empty((4, 4, _LANES8), np.float32),
+            np.empty(-(-S // _LANES8) * _LANES8, np.float32), np.empty(2 * _LANES8, np.float32))
+    if post is None:
+        _attn_mix(*args)
+        return torch.from_numpy(out)
+    normed = np.empty((T, d), np.float32)
+    _attn_mix_norm(*args, described(post[0], _gain_array), float(post[1]), normed)
+    return torch.from_numpy(normed)
 
 
 _MIX_OK: bool | None = None
@@ -1193,18 +1204,20 @@ def _mix_ok() -> bool:
     return _MIX_OK
 
 
-def attn_mix(V: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def attn_mix(V: torch.Tensor, w: torch.Tensor, eps: float, post: tuple | None = None) -> torch.Tensor:
     """K3's Attention Residuals mix of the sources V [S, T, d] (float32) with the
     pseudo-query w [d] (fp32, the norm gain already folded in): per token t, the score of
     source s is sum(rms_norm(V[s, t]) * w) (torch's float32 sum), the weights the softmax
     over s (torch's), the result sum_s V[s, t] * a[t, s] in source order (each product
-    rounded, added left to right). One compiled call where ``_mix_ok``; torch's chain
-    elsewhere: the same bits either way. Returns [T, d]."""
+    rounded, added left to right). ``post`` = (gain, eps): the mix's RMS norm instead
+    (norm_rows; the next sublayer's pre-norm), in the same call. One compiled call where
+    ``_mix_ok``; torch's chain elsewhere: the same bits either way. Returns [T, d]."""
     if V.dtype != torch.float32:
         raise ValueError(f"attn_mix takes float32 sources, got {V.dtype}")
     if V.shape[-1] >= _LANES8 and _mix_ok():
-        return _attn_mix_compiled(V, w, eps)
-    return _attn_mix_torch(V, w, eps)
+        return _attn_mix_compiled(V, w, eps, post)
+    out = _attn_mix_torch(V, w, eps)
+    return out if post is None else norm_rows(out, post[1], post[0])
 
 
 # ------------------------------------------------------------------ online softmax

@@ -153,14 +153,17 @@ def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Te
     return norm_rows(x, eps, fused.scale_gain(x.shape[-1], scale), mean=False)
 
 
-def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+             post_norm: torch.Tensor | None = None) -> torch.Tensor:
     """Attention Residuals mix. sources: list of fp32 [T, d]. The norm gain is folded into
     the pseudo-query (w = norm * proj); normalised sources are used only for scoring, the
     raw ones are mixed. Scores are an elementwise product summed over the contiguous last
     dim and the softmax runs along a contiguous last dim (one row per token): a batched
     matrix-vector product (`normed @ w`) and a softmax over a leading dim depend on the
-    thread count. One fused call (k3.model.fused.attn_mix)."""
-    return fused.attn_mix(torch.stack(sources, 0), described(norm_w, _mix_query, proj_w), eps)
+    thread count. ``post_norm``: the mix's rms_norm with that gain (and eps) instead, the
+    next sublayer's pre-norm, in the same call. One fused call (k3.model.fused.attn_mix)."""
+    return fused.attn_mix(torch.stack(sources, 0), described(norm_w, _mix_query, proj_w), eps,
+                          None if post_norm is None else (post_norm, eps))
 
 
 def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:

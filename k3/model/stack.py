@@ -164,14 +164,18 @@ class Model:
         """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
         returns the new partial block sum P."""
         eps = self.cfg.rms_norm_eps
-        x = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps) if bank else P
+        # each mix and the pre-norm of the sublayer it feeds: one call
+        ln = w["input_layernorm.weight"]
+        xn = attn_res(bank + [P], w["self_attention_res_norm.weight"], w["self_attention_res_proj.weight"], eps,
+                      post_norm=ln) if bank else rms_norm(P, ln, eps)
         if i % self.cfg.attn_res_block_size == 0:
             bank.append(P)
             P = None
-        a = self._mixer(i, w, rms_norm(x, w["input_layernorm.weight"], eps), states, cuts)
+        a = self._mixer(i, w, xn, states, cuts)
         P = a if P is None else P + a
-        y = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps)
-        return P + self._ffn(i, w, rms_norm(y, w["post_attention_layernorm.weight"], eps), obs)
+        yn = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps,
+                      post_norm=w["post_attention_layernorm.weight"])
+        return P + self._ffn(i, w, yn, obs)
 
     def hidden(self, ids, state: InferenceState | None = None, observer: Observer | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
