@@ -676,6 +676,33 @@ def test_moe_mix_equals_the_ops_one_by_one(T, situ, math_form):
     assert h2 is None and same(r2, ref_weighted_sum(contrib, wts))
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("T", [1, 3])
+def test_kda_step_equals_the_calls_one_by_one(lower_bound, T, threads):
+    """KDA's one-call decode step (decay + exp, recurrence, gated norm) against kda_decay,
+    kda_recurrent_steps and norm_gate one by one, from zero and from a carried state
+    (never written), into a pooled buffer."""
+    g = torch.Generator().manual_seed(T + (0 if lower_bound is None else 9))
+    H, dk, dv = 3, 32, 24
+    u = torch.randn(T, H * dk, generator=g) * 2
+    a_log, dtb = torch.randn(H, generator=g) * 0.5, torch.randn(H * dk, generator=g)
+    q = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6) * dk ** -0.5
+    k = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
+    v, beta = torch.randn(T, H, dv, generator=g), torch.rand(T, H, generator=g)
+    z, ow = torch.randn(T, H * dv, generator=g) * 3, (1 + 0.1 * torch.randn(dv, generator=g)).to(torch.bfloat16)
+    for S0 in (None, torch.randn(H, dk, dv, generator=g)):
+        keep = None if S0 is None else S0.clone()
+        got = fused.kda_step(u, a_log, dtb, H, lower_bound, q, k, v, beta, S0, torch.empty(H, dk, dv), ow, 1e-5, z)
+        gl, eg = fused.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
+        o, S = fused.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
+        want = fused.norm_gate(o, ow, 1e-5, z)
+        if got is None:  # the one-call form is off here (no fused math, or small calls on one thread)
+            assert not fused.USE_VML or fused._threads()[2]
+            continue
+        assert same(got[0], want) and same(got[1], S)
+        assert S0 is None or same(S0, keep)
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_fused_kda_recurrent(T, threads):
     g = torch.Generator().manual_seed(T)

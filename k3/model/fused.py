@@ -1576,6 +1576,55 @@ def _decay_softplus1(un, dtb, A, H, x, buf, v, lv, g, eg):
         vexp(g.reshape(-1), eg)
 
 
+@njit(cache=True, nogil=True)
+def _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y, out):
+    if lb_mode:
+        _decay_lb1(un, dtb, A, H, lb, buf, g, eg)
+    else:
+        _decay_softplus1(un, dtb, A, H, x, buf, v1, lv, g, eg)
+    T, Hk, dk = k.shape
+    _kda_recurrent(S0, eg.reshape(T, Hk, dk), k, beta, v, q, S, o)
+    _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
+
+
+def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v, beta, S0, into,
+             o_norm_w, eps: float, z):
+    """KDA's decode step after its projections, in one compiled call: the decay and its
+    exp (kda_decay with_exp), the recurrence (kda_recurrent_steps), the per-head RMS norm
+    and output gate (norm_gate), each the same compiled code in the same order. Returns
+    (the gated output [T, H * dv], the new state: ``into`` when it can hold it), or None
+    where that one call is not the path here (no fused math, a threading layer whose
+    small calls go to one thread, no tokens, a head split that does not divide): the
+    caller then runs those calls one by one."""
+    T, HD = u.shape
+    if not USE_VML or _threads()[2] or T == 0 or HD % n_heads:
+        return None
+    H, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    A = described(a_log, _exp_vector)
+    if A.shape[0] < n_heads or H != n_heads or H * dk != HD:
+        return None
+    lb_mode = lower_bound is not None
+    buf = np.empty((T, HD), np.float32)
+    x = buf if lb_mode else np.empty((T, HD), np.float32)
+    v1 = np.empty((T, HD) if not lb_mode else (0, 0), np.float32)
+    lv = np.empty_like(v1)
+    g = np.empty((T, HD), np.float32)
+    eg = np.empty(T * HD, np.float32)
+    S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
+    if (into is None or tuple(into.shape) != (H, dk, dv) or into.dtype != torch.float32 or not into.is_contiguous()
+            or (S0 is not None and into.data_ptr() == S0.data_ptr())):
+        into = torch.empty(H, dk, dv)
+    o = np.empty((T, H, dv), np.float32)
+    zn = _flat(z)
+    if zn.size != T * H * dv:
+        raise ValueError(f"kda_step: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
+    out = np.empty(zn.size, np.float32)
+    _kda_step1(_array(u), described(dt_bias, _f32_vector), A, n_heads, np.float32(lower_bound if lb_mode else 0.0),
+               lb_mode, buf, x, v1, lv, g, eg, S0n, _array(k), _array(beta), _array(v), _array(q), into.numpy(), o,
+               described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
+    return torch.from_numpy(out.reshape(z.shape)), into
+
+
 def _exp_vector(a: torch.Tensor) -> np.ndarray:
     return torch.exp(a.reshape(-1).to(torch.float32)).numpy()
 

@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_decay as fused_kda_decay, kda_inputs, kda_recurrent_steps, norm_gate
+from .fused import kda_decay as fused_kda_decay, kda_inputs, kda_recurrent_steps, kda_step, norm_gate
 from .ops import grouped_linear, linear, linears
 
 CHUNK = 16
@@ -218,6 +218,13 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     if st.record is not None:  # a pass that may be rolled back (speculative verification)
         chunked = False
     a_log, dt_bias = w["self_attn.A_log"], w["self_attn.dt_bias"]
+    if not chunked and st.record is None:  # decode: decay, recurrence, gated norm in one call
+        step = kda_step(u, a_log, dt_bias, H, cfg.gate_lower_bound, q, k, v, beta, st.S,
+                        _pool_take((H, k.shape[-1], v.shape[-1])), w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)
+        if step is not None:
+            o, S = step
+            st.advance(S)
+            return linear(o, w["self_attn.o_proj.weight"])
     if chunked:
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
     else:  # the recurrent form also takes exp(g), made in the decay's own call
