@@ -237,6 +237,15 @@ def _run(kernel, n, *args):
     kernel(*args)
 
 
+def _state_into(into, S0, shape) -> torch.Tensor:
+    """``into`` when it can take a new recurrent state of ``shape`` (a contiguous fp32
+    buffer of that shape, not S0 itself), else a new tensor."""
+    if (into is None or tuple(into.shape) != tuple(shape) or into.dtype != torch.float32
+            or not into.is_contiguous() or (S0 is not None and into.data_ptr() == S0.data_ptr())):
+        return torch.empty(*shape)
+    return into
+
+
 def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
                         q: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The KDA recurrence token by token, in one call: for t < T, per head,
@@ -253,9 +262,7 @@ def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, bet
     all three)."""
     T, H, dk = k.shape
     dv = v.shape[2]
-    if (into is None or into.shape != (H, dk, dv) or into.dtype != torch.float32 or not into.is_contiguous()
-            or into.data_ptr() == S0.data_ptr()):
-        into = torch.empty(H, dk, dv)
+    into = _state_into(into, S0, (H, dk, dv))
     S = into.numpy()
     o = np.empty((T, H, dv), np.float32)
     if T == 0:
@@ -549,6 +556,15 @@ def _ceil_log2(x):
     return r
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _add_group(acc, x, i):
+    """Vectors 4i .. 4i + 3 of x into the level-0 accumulators 0 .. 3."""
+    for k in range(4):
+        b = (4 * i + k) * _LANES8
+        for l in range(_LANES8):
+            acc[0, k, l] += x[b + l]
+
+
 @njit(cache=True, nogil=True)
 def _torch_row_sum(x, acc):
     """sum(x) for a 1-D float32 row, in the order of ATen's inner sum. From 8 elements
@@ -574,10 +590,7 @@ def _torch_row_sum(x, acc):
     i = 0
     while i + step <= ni:
         for _ in range(step):
-            for k in range(4):
-                b = (4 * i + k) * _LANES8
-                for l in range(_LANES8):
-                    acc[0, k, l] += x[b + l]
+            _add_group(acc, x, i)
             i += 1
         for j in range(1, 4):
             for k in range(4):
@@ -587,10 +600,7 @@ def _torch_row_sum(x, acc):
             if i & ((step - 1) << (j * lp)):
                 break
     while i < ni:
-        for k in range(4):
-            b = (4 * i + k) * _LANES8
-            for l in range(_LANES8):
-                acc[0, k, l] += x[b + l]
+        _add_group(acc, x, i)
         i += 1
     for j in range(1, 4):
         for k in range(4):
@@ -870,13 +880,26 @@ def _glu(gu: np.ndarray, h: np.ndarray, situ: bool, beta, lb, has_lb: bool) -> N
     _glu_post(gu, h, situ, beta, lb, has_lb)
 
 
-def _glu_of(g, u, situ: bool, beta: float, linear_beta: float | None) -> torch.Tensor:
+def _glu_params(situ: tuple | None) -> tuple:
+    """(SiTU?, beta, linear_beta, has linear_beta) as the GLU kernels take them, from
+    situ = (beta, linear_beta or None), or None for SiLU-GLU."""
+    has_lb = situ is not None and situ[1] is not None
+    return (situ is not None, np.float32(situ[0] if situ is not None else 1.0),
+            np.float32(situ[1] if has_lb else 1.0), has_lb)
+
+
+def _gate_up(g, u) -> np.ndarray:
+    """gate | up, flat, as the GLU kernels read them (g and u of one size)."""
     gn, un = _flat(g), _flat(u)
     if gn.size != un.size:
         raise ValueError(f"GLU: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
-    has_lb = linear_beta is not None
-    out = np.empty_like(gn)
-    _glu(np.concatenate((gn, un)), out, situ, np.float32(beta), np.float32(linear_beta if has_lb else 1.0), has_lb)
+    return np.concatenate((gn, un))
+
+
+def _glu_of(g, u, situ: tuple | None) -> torch.Tensor:
+    gu = _gate_up(g, u)
+    out = np.empty(gu.size // 2, np.float32)
+    _glu(gu, out, *_glu_params(situ))
     return torch.from_numpy(out.reshape(g.shape))
 
 
@@ -903,28 +926,22 @@ def moe_mix(contrib: torch.Tensor, wts: torch.Tensor, norm_w: torch.Tensor | Non
             r = norm_rows(r, eps, norm_w)
         if shared_gu is None:
             return r, None
-        g, u = shared_gu
-        return r, (situ_glu(g, u, *situ) if situ is not None else silu_glu(g, u))
+        return r, _glu_of(*shared_gu, situ)
     T, _, d = contrib.shape
     r = np.empty((T, d), np.float32)
     if shared_gu is None:
         gu, h = _NO_GAIN, np.empty((0, 0), np.float32)
     else:
-        g, u = (_flat(a) for a in shared_gu)
-        if g.size != u.size:
-            raise ValueError(f"moe_mix: gate {tuple(shared_gu[0].shape)} and up {tuple(shared_gu[1].shape)} differ")
-        gu, h = np.concatenate((g, u)), np.empty(shared_gu[0].shape, np.float32)
-    has_lb = situ is not None and situ[1] is not None
+        gu, h = _gate_up(*shared_gu), np.empty(shared_gu[0].shape, np.float32)
     _moe_mix1(contrib.numpy(), wts.numpy(), r, norm_w is not None, float(eps),
-              _NO_GAIN if norm_w is None else described(norm_w, _gain_array), gu, h, situ is not None,
-              np.float32(situ[0] if situ is not None else 1.0), np.float32(situ[1] if has_lb else 1.0), has_lb)
+              _NO_GAIN if norm_w is None else described(norm_w, _gain_array), gu, h, *_glu_params(situ))
     return torch.from_numpy(r), (None if shared_gu is None else torch.from_numpy(h))
 
 
 def silu_glu(g, u) -> torch.Tensor:
     """silu(g) * u per element (g and u float32 tensors or arrays of one shape):
     (g / (exp(-g) + 1)) * u, each operation rounded in that order, exp torch's."""
-    return _glu_of(g, u, False, 1.0, None)
+    return _glu_of(g, u, None)
 
 
 def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -932,7 +949,7 @@ def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
     per element (the last factor u itself when linear_beta is None), each operation
     rounded in that order, tanh and exp torch's (sigmoid(g) = 1 / (exp(-g) + 1)). g, u:
     float32 tensors or arrays of one shape."""
-    return _glu_of(g, u, True, beta, linear_beta)
+    return _glu_of(g, u, (beta, linear_beta))
 
 
 def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarray:
@@ -968,14 +985,11 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
                          f"({_shape_of(w)}) does not chain: gate and up must be [n, {K}], down [{K}, n], one n")
     inter = int(d[0, 0, 0])
     jobs13, jobs2 = jobs13[:n13], jobs2[:n2]
-    has_lb = situ is not None and situ[1] is not None
-    beta = np.float32(situ[0] if situ is not None else 1.0)
-    lb = np.float32(situ[1] if has_lb else 1.0)
     run = run_bf16_jobs if fmt == "bf16" else run_mxfp4_jobs
     gu = np.empty(2 * n * inter, np.float32)
     run(xn, jobs13, gu, 2 * n * inter * K, tmax)
     h = np.empty((n, inter), np.float32)
-    _glu(gu, h, situ is not None, beta, lb, has_lb)
+    _glu(gu, h, *_glu_params(situ))
     del gu
     y = np.empty(n * K, np.float32)
     run(h, jobs2, y, n * K * inter, tmax)
@@ -1388,6 +1402,17 @@ def _conv_taps(w: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(w.to(torch.float32).reshape(w.shape[0], -1).numpy().T)
 
 
+def _conv_args(xs, ws, states) -> tuple:
+    """The short convs' arrays: (inputs, taps [K, C] fp32, states (zeros at a sequence's
+    start), new-state buffers, the output [T, sum C] with the streams side by side)."""
+    wn = tuple(described(w, _conv_taps) for w in ws)
+    sn = tuple(np.zeros((wk.shape[0] - 1, x.shape[1]), np.float32) if st is None else _array(st)
+               for wk, st, x in zip(wn, states, xs))
+    news = tuple(np.empty((wk.shape[0] - 1, x.shape[1]), np.float32) for wk, x in zip(wn, xs))
+    acc = np.empty((xs[0].shape[0], sum(x.shape[1] for x in xs)), np.float32)
+    return [_array(x) for x in xs], wn, sn, news, acc
+
+
 def short_convs_silu(xs, ws, states):
     """Causal depthwise conv + SiLU of streams xs (k3.model.ops.short_convs): per stream
     x [T, C], taps w [C, 1, K] (fp32 as stored or widened), state [K-1, C] or None
@@ -1395,15 +1420,9 @@ def short_convs_silu(xs, ws, states):
     the sum from +0.0 in that order, each product rounded; silu(a) = a / (exp(-a) + 1)
     with torch's exp, one call for every stream. Returns ([out [T, C]], [new_state
     [K-1, C] = the last K-1 rows of z])."""
-    T = xs[0].shape[0]
     cs = [x.shape[1] for x in xs]
-    wn = tuple(described(w, _conv_taps) for w in ws)
-    sn = tuple(np.zeros((wk.shape[0] - 1, c), np.float32) if st is None else _array(st)
-               for wk, st, c in zip(wn, states, cs))
-    news = tuple(np.empty((wk.shape[0] - 1, c), np.float32) for wk, c in zip(wn, cs))
-    acc = np.empty((T, sum(cs)), np.float32)
+    xn, wn, sn, news, acc = _conv_args(xs, ws, states)
     e = np.empty_like(acc)
-    xn = [_array(x) for x in xs]
     if len(xs) not in (1, 3):
         raise ValueError(f"short_convs_silu: {len(xs)} streams (KDA has 3; 1 for a single conv)")
     if USE_VML:
@@ -1471,17 +1490,13 @@ def kda_inputs(xs, ws, states, b: torch.Tensor, n_heads: int, eps: float, q_scal
         k = norm_rows(k.reshape(T, n_heads, -1), eps, mean=False)
         return q, k, v.reshape(T, n_heads, -1), news, sigmoid(b)
     D = cs[0] // n_heads
-    wn = tuple(described(w, _conv_taps) for w in ws)
-    sn = tuple(np.zeros((wk.shape[0] - 1, c), np.float32) if st is None else _array(st)
-               for wk, st, c in zip(wn, states, cs))
-    news = tuple(np.empty((wk.shape[0] - 1, c), np.float32) for wk, c in zip(wn, cs))
-    acc = np.empty((T, sum(cs)), np.float32)
+    xn, wn, sn, news, acc = _conv_args(xs, ws, states)
     q = np.empty((T * n_heads, D), np.float32)
     k = np.empty((T * n_heads, D), np.float32)
     v = np.empty((T, cs[2]), np.float32)
     bn = _array(b)
     beta = np.empty(bn.shape, np.float32)
-    _kda_inputs1(*(_array(x) for x in xs), *wn, *sn, acc, np.empty_like(acc), *news, float(eps),
+    _kda_inputs1(*xn, *wn, *sn, acc, np.empty_like(acc), *news, float(eps),
                  described(scale_gain(D, q_scale), _gain_array), q, k, v, bn, beta)
     return (torch.from_numpy(q.reshape(T, n_heads, D)), torch.from_numpy(k.reshape(T, n_heads, D)),
             torch.from_numpy(v.reshape(T, n_heads, -1)), [torch.from_numpy(n) for n in news],
@@ -1577,11 +1592,33 @@ def _decay_softplus1(un, dtb, A, H, x, buf, v, lv, g, eg):
 
 
 @njit(cache=True, nogil=True)
-def _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y, out):
+def _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg):
     if lb_mode:
         _decay_lb1(un, dtb, A, H, lb, buf, g, eg)
     else:
         _decay_softplus1(un, dtb, A, H, x, buf, v1, lv, g, eg)
+
+
+def _decay_args(u, a_log, dt_bias, n_heads: int, lower_bound: float | None) -> tuple:
+    """kda_decay's arrays: (u, dt_bias fp32, A = torch's exp of A_log, n_heads, fp32
+    lower bound, lb_mode, buf, x, v, lv, g), as _decay1 takes them (x is buf and v, lv
+    are empty in the lower-bound form). ValueError for A_log or a gate that do not fit
+    n_heads."""
+    T, HD = u.shape
+    A = described(a_log, _exp_vector)
+    if A.shape[0] < n_heads or HD % n_heads:
+        raise ValueError(f"kda_decay: A_log of {A.shape[0]} heads, gate of {HD} for {n_heads} heads")
+    lb_mode = lower_bound is not None
+    buf = np.empty((T, HD), np.float32)
+    v = np.empty((0, 0) if lb_mode else (T, HD), np.float32)
+    return (_array(u), described(dt_bias, _f32_vector), A, n_heads, np.float32(lower_bound if lb_mode else 0.0),
+            lb_mode, buf, buf if lb_mode else np.empty((T, HD), np.float32), v, np.empty_like(v),
+            np.empty((T, HD), np.float32))
+
+
+@njit(cache=True, nogil=True)
+def _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y, out):
+    _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
     T, Hk, dk = k.shape
     _kda_recurrent(S0, eg.reshape(T, Hk, dk), k, beta, v, q, S, o)
     _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
@@ -1597,30 +1634,19 @@ def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v
     small calls go to one thread, no tokens, a head split that does not divide): the
     caller then runs those calls one by one."""
     T, HD = u.shape
-    if not USE_VML or _threads()[2] or T == 0 or HD % n_heads:
-        return None
     H, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    A = described(a_log, _exp_vector)
-    if A.shape[0] < n_heads or H != n_heads or H * dk != HD:
+    if not USE_VML or _threads()[2] or T == 0 or H != n_heads or H * dk != HD:
         return None
-    lb_mode = lower_bound is not None
-    buf = np.empty((T, HD), np.float32)
-    x = buf if lb_mode else np.empty((T, HD), np.float32)
-    v1 = np.empty((T, HD) if not lb_mode else (0, 0), np.float32)
-    lv = np.empty_like(v1)
-    g = np.empty((T, HD), np.float32)
+    args = _decay_args(u, a_log, dt_bias, n_heads, lower_bound)
     eg = np.empty(T * HD, np.float32)
     S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
-    if (into is None or tuple(into.shape) != (H, dk, dv) or into.dtype != torch.float32 or not into.is_contiguous()
-            or (S0 is not None and into.data_ptr() == S0.data_ptr())):
-        into = torch.empty(H, dk, dv)
+    into = _state_into(into, S0, (H, dk, dv))
     o = np.empty((T, H, dv), np.float32)
     zn = _flat(z)
     if zn.size != T * H * dv:
         raise ValueError(f"kda_step: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
     out = np.empty(zn.size, np.float32)
-    _kda_step1(_array(u), described(dt_bias, _f32_vector), A, n_heads, np.float32(lower_bound if lb_mode else 0.0),
-               lb_mode, buf, x, v1, lv, g, eg, S0n, _array(k), _array(beta), _array(v), _array(q), into.numpy(), o,
+    _kda_step1(*args, eg, S0n, _array(k), _array(beta), _array(v), _array(q), into.numpy(), o,
                described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
     return torch.from_numpy(out.reshape(z.shape)), into
 
@@ -1640,31 +1666,19 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
     returns (g, exp(g)), torch's exp of g made in the same call (the recurrence's
     per-step decay factors)."""
     T, HD = u.shape
-    A = described(a_log, _exp_vector)
-    if A.shape[0] < n_heads or HD % n_heads:
-        raise ValueError(f"kda_decay: A_log of {A.shape[0]} heads, gate of {HD} for {n_heads} heads")
-    un = _array(u)
-    dtb = described(dt_bias, _f32_vector)
-    buf = np.empty((T, HD), np.float32)
-    g = np.empty((T, HD), np.float32)
-    lb_mode = lower_bound is not None
-    x = buf if lb_mode else np.empty((T, HD), np.float32)
+    args = _decay_args(u, a_log, dt_bias, n_heads, lower_bound)
+    un, dtb, A, _, lb, lb_mode, buf, x, v, _, g = args
     shape = (T, n_heads, HD // n_heads)
     if USE_VML:
         eg = np.empty(T * HD if with_exp else 0, np.float32)
-        if lb_mode:
-            _decay_lb1(un, dtb, A, n_heads, np.float32(lower_bound), buf, g, eg)
-        else:
-            v = np.empty((T, HD), np.float32)
-            _decay_softplus1(un, dtb, A, n_heads, x, buf, v, np.empty_like(v), g, eg)
+        _decay1(*args, eg)
         gt = torch.from_numpy(g.reshape(shape))
         return (gt, torch.from_numpy(eg.reshape(shape))) if with_exp else gt
     _decay_pre(un, dtb, A, n_heads, lb_mode, x, buf)
     torch.from_numpy(buf).exp_()
     if lb_mode:
-        _decay_lb_post(buf.reshape(-1), np.float32(lower_bound), g.reshape(-1))
+        _decay_lb_post(buf.reshape(-1), lb, g.reshape(-1))
     else:
-        v = np.empty((T, HD), np.float32)
         _one_plus(buf.reshape(-1), v.reshape(-1))
         lv = torch.log(torch.from_numpy(v)).numpy()
         _decay_softplus_post(x, buf.reshape(-1), v.reshape(-1), lv.reshape(-1), A, n_heads, g.reshape(-1))

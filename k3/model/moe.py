@@ -32,6 +32,11 @@ def route(cfg, x: torch.Tensor, gate_w, bias, logits: torch.Tensor | None = None
     return route_topk(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
 
 
+def _situ(cfg) -> tuple | None:
+    """(beta, linear_beta) of a SiTU-GLU model, None for SiLU-GLU (the fused GLUs' form)."""
+    return (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
+
+
 def _expert_kind(ew) -> tuple:
     """(kernel format of its three matrices or None, gate rows) of one routed expert."""
     return kernel_format([ew.w1, ew.w3, ew.w2]), ew.w1.shape[0]
@@ -54,7 +59,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.numpy().reshape(-1)
-    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
+    situ = _situ(cfg)
     if T == 1:
         experts = flat.tolist()
         x, span, dest = z, None, None
@@ -111,7 +116,7 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> t
     # Each expert runs once over the tokens that chose it; contributions are then summed
     # per token in top-k order, whatever groups the provider hands the experts out in.
     # the weighted sum of the contributions, the latent norm and the shared expert's GLU: one call
-    situ = (cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else None
+    situ = _situ(cfg)
     norm_w = w[p + "routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None
     r, h = moe_mix(routed_experts(cfg, z, ids, layer, provider), wts, norm_w, cfg.rms_norm_eps,
                    outs[-2:] if cfg.num_shared_experts else None, situ)
