@@ -119,6 +119,22 @@ def test_small_calls_leave_the_thread_count_as_it_was(serial_small, monkeypatch)
     assert get_num_threads() == before
 
 
+@pytest.mark.parametrize("K", [64 * 5, 64 * 5 + 33, 7, 4096])
+def test_one_token_kernels_give_the_general_kernels_bits(K, monkeypatch):
+    """Decode's compact one-token kernels (parallel, and serial below a work limit) give
+    the bits of the general kernel's one-token path (which a table holding a job of more
+    tokens goes to): whole steps, four rows at a time, tails."""
+    from k3.quant import bf16 as B
+    from k3.quant import bf16_grouped
+    x, w = _case(K, 2, 70, K)
+    ws = [w, w[:33]]
+    want = bf16_grouped(x, ws + [w[:5]], [(1, 2), (0, 1), (0, 2)])[: 70 + 33]
+    for limit in (0, 1 << 62):                        # the parallel kernel, the serial one
+        monkeypatch.setattr(B, "_T1_SERIAL_WORK", limit)
+        got = bf16_grouped(x, ws, [(1, 2), (0, 1)])
+        assert np.array_equal(_bits(got), _bits(want)), limit
+
+
 def test_non_contiguous_input():
     x, w = _case(4, 6, 9, 130)
     xt = x.T.contiguous().T                         # same values, column-major strides

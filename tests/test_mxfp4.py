@@ -250,6 +250,26 @@ def test_batch_invariance_and_thread_count_independence():
     assert torch.equal(y1.view(torch.int32), y2.view(torch.int32))
 
 
+@pytest.mark.parametrize("C", [64 * 6, 64 * 7 + 32, 32])
+def test_one_token_kernels_give_the_general_kernels_bits(C, monkeypatch):
+    """Decode's compact one-token kernels (parallel, and serial below a work limit) give
+    the bits of the general kernel's one-token path (which a table holding a job of more
+    tokens goes to): whole steps, tails, rows for the byte-lane decode."""
+    from k3.quant import mxfp4 as MX
+    from k3.quant import mxfp4_grouped
+    rng = np.random.default_rng(C)
+    R = 70
+    packed, scale = _random_weight(rng, R, C)
+    scale[3, 0], scale[9, -1], scale[20, 0] = 1, 254, 255   # byte-lane rows, a zero group
+    x = torch.from_numpy(rng.standard_normal((2, C)).astype(np.float32))
+    ws = [(packed, scale), (packed[:33], scale[:33])]
+    want = mxfp4_grouped(x, ws + [(packed[:5], scale[:5])], [(1, 2), (0, 1), (0, 2)])[: R + 33]
+    for limit in (0, 1 << 62):                        # the parallel kernel, the serial one
+        monkeypatch.setattr(MX, "_T1_SERIAL_WORK", limit)
+        got = mxfp4_grouped(x, ws, [(1, 2), (0, 1)])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), limit
+
+
 def test_inputs_torch_numpy_and_edge_shapes():
     rng = np.random.default_rng(6)
     packed, scale = _random_weight(rng, 10, 64)

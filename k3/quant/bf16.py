@@ -627,6 +627,66 @@ def job_blocks(jobs, rb1, rb):
     return starts
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _t1_rows(x, x0, w, out, off, r0, r1):
+    """out[off + n] = x[x0] . fp32(w[n]) for rows r0 <= n < r1 (one token: each weight row
+    streamed once, memory bound), in the canonical order: the T = 1 work of every
+    kernel here."""
+    K = x.shape[1]
+    nj = K // LANES
+    km = nj * LANES
+    if km == K:                                       # no tail: the whole row in registers
+        n = r0
+        while K >= _T1_FOUR_K and n + 3 < r1:         # four rows at a time: four streams in flight
+            y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
+            out[off + n] = y0
+            out[off + n + 1] = y1
+            out[off + n + 2] = y2
+            out[off + n + 3] = y3
+            n += 4
+        while n < r1:
+            out[off + n] = _dot_bf16(x, x0, w, n, nj)
+            n += 1
+        return
+    acc = np.empty((1, LANES), np.float32)            # a tail (K % 64): lanes through memory
+    a = acc[0]
+    for n in range(r0, r1):
+        _zero(a)
+        _vdot_bf16(acc, (0,), x, x, (x0,), 0, w, w, (n,), 0, nj, 1, 0)
+        for i in range(K - km):
+            a[i] = _fma(x[x0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
+        out[off + n] = _tree_sum(a)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _t1_block(x, jobs, out, starts, b, rb1):
+    """Row block b (``job_blocks``) of a job table whose jobs all have one token."""
+    g = np.searchsorted(starts, b, side="right") - 1
+    N = jobs[g, J_N]
+    w = numba.carray(_i16_ptr(jobs[g, J_ADDR]), (N, x.shape[1]))
+    r0 = (b - starts[g]) * rb1
+    _t1_rows(x, jobs[g, J_X0], w, out, jobs[g, J_OFF], r0, min(N, r0 + rb1))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16_t1(x, jobs, out, rb1):
+    """``_bf16_grouped`` for a table whose jobs all have one token (decode): the same
+    rows in the same order, without the scratch and the code of the token tiles (a
+    smaller call: less to set up and to fetch)."""
+    starts = job_blocks(jobs, rb1, rb1)
+    for b in prange(starts[-1]):
+        _t1_block(x, jobs, out, starts, b, rb1)
+
+
+@njit(cache=True, nogil=True)
+def _bf16_t1_serial(x, jobs, out, rb1):
+    """``_bf16_t1`` on the calling thread alone, for calls too small to pay for waking
+    the pool."""
+    starts = job_blocks(jobs, rb1, rb1)
+    for b in range(starts[-1]):
+        _t1_block(x, jobs, out, starts, b, rb1)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
     """For every job g (``jobs``: the J_* columns): out[off + t * n + r] = x[x0 + t] . fp32(W_g[r])
@@ -646,7 +706,6 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
     starts = job_blocks(jobs, rb1, rb)
     # per-thread scratch, allocated once per call (nth = numba threads of the caller;
     # numba.get_num_threads() inside a cached function would defeat the cache)
-    gv_all = np.empty((nth, 1, LANES), np.float32)
     acc_all = np.empty((nth, rb * _NT, LANES), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
@@ -657,29 +716,7 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
         w = numba.carray(_i16_ptr(jobs[g, J_ADDR]), (N, K))
         tid = get_thread_id()
         if T == 1:
-            acc = gv_all[tid]
-            a = acc[0]
-            r0 = (b - starts[g]) * rb1
-            if km == K:                               # no tail: the whole row in registers
-                n1 = min(N, r0 + rb1)
-                n = r0
-                while K >= _T1_FOUR_K and n + 3 < n1:  # four rows at a time: four streams in flight
-                    y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
-                    out[off + n] = y0
-                    out[off + n + 1] = y1
-                    out[off + n + 2] = y2
-                    out[off + n + 3] = y3
-                    n += 4
-                while n < n1:
-                    out[off + n] = _dot_bf16(x, x0, w, n, nj)
-                    n += 1
-                continue
-            for n in range(r0, min(N, r0 + rb1)):
-                _zero(a)
-                _vdot_bf16(acc, (0,), x, x, (x0,), 0, w, w, (n,), 0, nj, 1, 0)
-                for i in range(K - km):
-                    a[i] = _fma(x[x0, km + i], _bf16_to_f32(w[n, km + i]), a[i])
-                out[off + n] = _tree_sum(a)
+            _t1_rows(x, x0, w, out, off, (b - starts[g]) * rb1, min(N, (b - starts[g] + 1) * rb1))
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(N, r0 + rb) - r0
@@ -752,6 +789,21 @@ def _launch(kernel, work, *args):
             put(nth)
     else:
         kernel(*args, nth)
+
+
+#: one-token calls of fewer multiply-adds than this run on the calling thread alone
+#: (``_launch_t1``): waking the pool for them cost more than the second core gave
+#: (docs/PERFORMANCE.md, "Per-token overhead"); results do not depend on it
+_T1_SERIAL_WORK = 1 << 19
+
+
+def _launch_t1(kernel, serial, work, limit, *args):
+    """A one-token kernel: ``serial(*args)`` on the calling thread when work < limit or
+    the caller has one numba thread, else the parallel ``kernel(*args)``."""
+    if work < limit or (_TH or _threads())[0]() == 1:
+        serial(*args)
+    else:
+        kernel(*args)
 
 
 def as_cpu_array(a, name: str, torch_dtype, np_dtype) -> np.ndarray:
@@ -974,6 +1026,9 @@ def run_bf16_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int, 
         return
     if xn.shape[1] == 0:
         out[:] = 0.0
+        return
+    if tmax == 1:
+        _launch_t1(_bf16_t1, _bf16_t1_serial, work, _T1_SERIAL_WORK, xn, jobs, out, _RB1)
         return
     _launch(_bf16_grouped, work, xn, pair_split_x(xn) if tmax > 1 else xn, jobs, out, _RB1, _RB, _KC)
 

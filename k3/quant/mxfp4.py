@@ -55,6 +55,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
+                   _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
                    counted_loop, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V,
                    _row_ptr)
@@ -67,6 +68,9 @@ GROUP = 32  # elements per scale byte
 _RB1 = 16    # rows per prange iteration (decode, and T = 1)
 _RB = 8      # rows decoded together and reused across tokens when T > 1
 _JC = 16     # 64-byte steps per chunk of the T > 1 paths (the chunk of x for a token tile stays in L1)
+#: one-token calls of fewer multiply-adds than this run on the calling thread alone
+#: (``k3.quant.bf16._launch_t1``; the decode costs more per byte than bf16's)
+_T1_SERIAL_WORK = 1 << 18
 
 
 # --------------------------------------------------------------------------- intrinsics
@@ -659,6 +663,74 @@ def _split_x(x, jobs):
     return xe, xo, xep, xop
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
+    """out[off + r] = x[x0] . W[r] for rows r0 <= r < r1 of one token: each row decoded
+    in registers and consumed at once (the packed bytes read exactly once; on AVX2 by
+    ``_dot_mxfp4_w`` from x in the W_PERM order, xep / xop, unless a scale of the row
+    needs the byte-lane decode), in the canonical order: the T = 1 work of every
+    kernel here."""
+    P = xe.shape[1]
+    nj = P // LANES
+    pm = nj * LANES
+    if pm == P:                                       # no tail: the whole row in registers
+        for r in range(r0, r1):
+            if _W16 and _row_bad(scale, r) == 0:
+                out[off + r] = _dot_mxfp4_w(xep, xop, x0, packed, scale, r, nj)
+            else:
+                out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj)
+        return
+    sc3 = np.empty((3, LANES), np.float32)            # a tail: the row's bytes after its last whole step
+    acc = sc3[0]
+    te = sc3[1]
+    to = sc3[2]
+    xe0 = xe[x0]
+    xo0 = xo[x0]
+    for r in range(r0, r1):
+        _zero(acc)
+        pk = packed[r]
+        sc = scale[r]
+        _vdot_mxfp4(acc, xe0, xo0, pk, sc, nj)
+        _decode_tail(pk, sc, te, to, pm, P)
+        for i in range(P - pm):
+            acc[i] = _fma(xo0[pm + i], to[i], _fma(xe0[pm + i], te[i], acc[i]))
+        out[off + r] = _tree_sum(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1):
+    """Row block b (``job_blocks``) of a job table whose jobs all have one token."""
+    P = xe.shape[1]
+    g = np.searchsorted(starts, b, side="right") - 1
+    R = jobs[g, J_N]
+    packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
+    scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
+    r0 = (b - starts[g]) * rb1
+    _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], r0, min(R, r0 + rb1))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mxfp4_t1(x, jobs, out, rb1):
+    """``_mxfp4_grouped`` for a table whose jobs all have one token (decode), x float32
+    [M, 2P] as it is (split here, ``_split_x``): the same rows in the same order,
+    without the scratch and the code of the multi-token paths (a smaller call: less to
+    set up and to fetch)."""
+    xe, xo, xep, xop = _split_x(x, jobs)
+    starts = job_blocks(jobs, rb1, rb1)
+    for b in prange(starts[-1]):
+        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1)
+
+
+@njit(cache=True, nogil=True)
+def _mxfp4_t1_serial(x, jobs, out, rb1):
+    """``_mxfp4_t1`` on the calling thread alone, for calls too small to pay for waking
+    the pool."""
+    xe, xo, xep, xop = _split_x(x, jobs)
+    starts = job_blocks(jobs, rb1, rb1)
+    for b in range(starts[-1]):
+        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
@@ -692,29 +764,8 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
         tid = get_thread_id()
         if T == 1:
-            r0 = (b - starts[g]) * rb1
-            if pm == P:                               # no tail: the whole row in registers
-                for r in range(r0, min(R, r0 + rb1)):
-                    if _W16 and _row_bad(scale, r) == 0:
-                        out[off + r] = _dot_mxfp4_w(xep, xop, x0, packed, scale, r, nj)
-                    else:
-                        out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj)
-                continue
-            sc3 = gv_all[tid]                         # a tail: the row's bytes after its last whole step
-            acc = sc3[0]
-            te = sc3[1]
-            to = sc3[2]
-            xe0 = xe[x0]
-            xo0 = xo[x0]
-            for r in range(r0, min(R, r0 + rb1)):
-                _zero(acc)
-                pk = packed[r]
-                sc = scale[r]
-                _vdot_mxfp4(acc, xe0, xo0, pk, sc, nj)
-                _decode_tail(pk, sc, te, to, pm, P)
-                for i in range(P - pm):
-                    acc[i] = _fma(xo0[pm + i], to[i], _fma(xe0[pm + i], te[i], acc[i]))
-                out[off + r] = _tree_sum(acc)
+            _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, (b - starts[g]) * rb1,
+                     min(R, (b - starts[g] + 1) * rb1))
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(R, r0 + rb) - r0
@@ -857,11 +908,15 @@ def decode_mxfp4(packed, scale) -> torch.Tensor:
 
 def run_mxfp4_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int, tmax: int = 0) -> None:
     """The kernel call of a job table on activations xn into out, as ``mxfp4_grouped``
-    makes it (``k3.quant.bf16.run_bf16_jobs``; tmax unused)."""
+    makes it (``k3.quant.bf16.run_bf16_jobs``; tmax: most tokens of one job, 1 for the
+    one-token kernels, 0 when unknown)."""
     if out.size == 0:
         return
     if xn.shape[1] == 0:
         out[:] = 0.0
+        return
+    if tmax == 1:
+        _launch_t1(_mxfp4_t1, _mxfp4_t1_serial, work, _T1_SERIAL_WORK, xn, jobs, out, _RB1)
         return
     _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
 
@@ -877,7 +932,7 @@ def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
     M, C = xn.shape
     jobs, total, work, tmax = grouped_jobs(M, C, ws, _mxfp4_weight, rows)
     out = np.empty(total, dtype=np.float32)
-    run_mxfp4_jobs(xn, jobs, out, work)
+    run_mxfp4_jobs(xn, jobs, out, work, tmax)
     return torch.from_numpy(out)
 
 
