@@ -682,9 +682,10 @@ def _bf16_t1(x, jobs, out, rb1):
 def _bf16_t1_serial(x, jobs, out, rb1):
     """``_bf16_t1`` on the calling thread alone, for calls too small to pay for waking
     the pool."""
-    starts = job_blocks(jobs, rb1, rb1)
-    for b in range(starts[-1]):
-        _t1_block(x, jobs, out, starts, b, rb1)
+    for g in range(jobs.shape[0]):                    # whole jobs: no blocks to find
+        N = jobs[g, J_N]
+        w = numba.carray(_i16_ptr(jobs[g, J_ADDR]), (N, x.shape[1]))
+        _t1_rows(x, jobs[g, J_X0], w, out, jobs[g, J_OFF], 0, N)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -404,27 +404,45 @@ def _w_tree_ir(builder, parts):
     return builder.fadd(r[0], r[1])                                        # h = 1: p
 
 
+def _w_bad_ir(builder, sp, j):
+    """<4 x i16>, lane g nonzero when scale byte g of step j is 0, 1, 253 or 254 (what
+    ``_row_bad`` finds, from the bytes the step loads anyway)."""
+    I16, I8, I64 = ir.IntType(16), ir.IntType(8), ir.IntType(64)
+    V4 = ir.VectorType(I16, _GPJ)
+    s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), I8, _GPJ), V4)
+
+    def c(v):
+        return ir.Constant(V4, [v] * _GPJ)
+    big = builder.and_(builder.icmp_unsigned(">", s4, c(252)), builder.icmp_unsigned("!=", s4, c(255)))
+    return builder.sext(builder.or_(builder.icmp_unsigned("<", s4, c(2)), big), V4)
+
+
 @intrinsic
 def _dot_mxfp4_w(typingctx, xe, xo, xr, pk, sc, r, nj):
-    """``_dot_mxfp4`` by the AVX2 decode: xe / xo in the W_PERM order of each step, a row
-    for which ``_row_bad`` is 0. Only on the AVX2 path (elsewhere it compiles to nothing
-    and is never called)."""
+    """(``_dot_mxfp4`` by the AVX2 decode, bad): xe / xo in the W_PERM order of each step.
+    bad is nonzero when a scale byte of the row is 0, 1, 253 or 254, which this decode
+    cannot scale: the value is then not the row's and the caller takes ``_dot_mxfp4``
+    (the check rides on the steps' own scale loads, a few vector operations each, in
+    place of a scalar pass over the row's scale bytes). Only on the AVX2 path
+    (elsewhere it compiles to (0.0, 1) and is never called)."""
     if not _row_args(xe, xo, xr, pk, sc, r, nj):
         return None
-    sig = types.float32(xe, xo, xr, pk, sc, r, nj)
+    sig = types.Tuple((types.float32, types.int64))(xe, xo, xr, pk, sc, r, nj)
 
     def codegen(context, builder, sig, args):
         I64, F32 = ir.IntType(64), ir.FloatType()
         if not _W16:
-            return ir.Constant(F32, 0.0)
+            return context.make_tuple(builder, sig.return_type, [ir.Constant(F32, 0.0), I64(1)])
         xep, xop, pp, sp, n = _row_ptrs(context, builder, sig, args)
 
         def body(j, acc):
             _prefetch(builder, builder.gep(pp, [builder.add(builder.mul(j, I64(LANES)), I64(PREFETCH_BYTES))]))
-            return _w_step_ir(builder, pp, sp, j, [xep], [xop], acc)
+            return _w_step_ir(builder, pp, sp, j, [xep], [xop], acc[:8]) + [builder.or_(acc[8], _w_bad_ir(builder, sp, j))]
 
-        return _w_tree_ir(builder, counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8,
-                                                body, "dmxw"))
+        fins = counted_loop(builder, n, [ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)] * 8
+                            + [ir.Constant(ir.VectorType(ir.IntType(16), _GPJ), [0] * _GPJ)], body, "dmxw")
+        bad = builder.bitcast(fins[8], I64)                # the four lanes' flags as one word
+        return context.make_tuple(builder, sig.return_type, [_w_tree_ir(builder, fins[:8]), bad])
 
     return sig, codegen
 
@@ -675,8 +693,9 @@ def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
     pm = nj * LANES
     if pm == P:                                       # no tail: the whole row in registers
         for r in range(r0, r1):
-            if _W16 and _row_bad(scale, r) == 0:
-                out[off + r] = _dot_mxfp4_w(xep, xop, x0, packed, scale, r, nj)
+            if _W16:
+                y, bad = _dot_mxfp4_w(xep, xop, x0, packed, scale, r, nj)
+                out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj) if bad else y
             else:
                 out[off + r] = _dot_mxfp4(xe, xo, x0, packed, scale, r, nj)
         return
@@ -726,9 +745,12 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
     """``_mxfp4_t1`` on the calling thread alone, for calls too small to pay for waking
     the pool."""
     xe, xo, xep, xop = _split_x(x, jobs)
-    starts = job_blocks(jobs, rb1, rb1)
-    for b in range(starts[-1]):
-        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1)
+    P = xe.shape[1]
+    for g in range(jobs.shape[0]):                    # whole jobs: no blocks to find
+        R = jobs[g, J_N]
+        packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
+        scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
+        _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R)
 
 
 @njit(parallel=True, cache=True, nogil=True)
