@@ -696,8 +696,8 @@ def test_kda_step_equals_the_calls_one_by_one(lower_bound, T, threads):
         gl, eg = fused.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
         o, S = fused.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
         want = fused.norm_gate(o, ow, 1e-5, z)
-        if got is None:  # the one-call form is off here (no fused math, or small calls on one thread)
-            assert not fused.USE_VML or fused._threads()[2]
+        if got is None:  # the one-call form is off here (no fused math)
+            assert not fused.USE_VML
             continue
         assert same(got[0], want) and same(got[1], S)
         assert S0 is None or same(S0, keep)
@@ -789,3 +789,34 @@ def test_all_finite_matches_isfinite():
             y.view(-1)[pos] = bad
             assert not fused.all_finite(y) and fused.all_finite(y) == bool(torch.isfinite(y).all())
     assert not fused.all_finite((x * 1e38))  # overflowed to inf
+
+
+@pytest.mark.parametrize("what", ["kda_step", "dots", "dots_causal", "prods", "prods_one_row"])
+def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
+    """Small work runs as a serial twin on the calling thread (``fused._run``): the same
+    block code, so the same bits as the parallel kernel."""
+    g = torch.Generator().manual_seed(len(what))
+    G, M, N, K = 3, 5, 70, 130
+    x = torch.randn(G * M, K, generator=g)
+    if what == "kda_step":
+        T, H, dk, dv = 2, 4, 64, 48
+        u = torch.randn(T, H * dk, generator=g)
+        q = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
+        k = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
+        v, beta, z = torch.randn(T, H, dv, generator=g), torch.rand(T, H, generator=g), torch.randn(T, H * dv, generator=g)
+        S0, ow = torch.randn(H, dk, dv, generator=g), torch.ones(dv).to(torch.bfloat16)
+        run = lambda: torch.cat([r.reshape(-1) for r in fused.kda_step(  # noqa: E731
+            u, torch.zeros(H), torch.zeros(H * dk), H, -5.0, q, k, v, beta, S0, torch.empty(H, dk, dv), ow, 1e-5, z)])
+    elif what.startswith("dots"):
+        w = torch.randn(G * N, K, generator=g).to(torch.bfloat16)
+        causal = 3 if what == "dots_causal" else None
+        run = lambda: fused.dots(x, w, G, M, N, K, x_at=(0, M, 0, 0), w_at=(0, N, 0, 0), causal=causal)  # noqa: E731
+    else:
+        m = 1 if what == "prods_one_row" else M
+        w = torch.randn(G * K, 4 * N, generator=g)
+        run = lambda: fused.prods(x, w, G, m, 4 * N, K, x_at=(0, M, 0, 0), w_at=(0, K, 0, 0))  # noqa: E731
+    outs = []
+    for limit in (0, 1 << 62):                       # the parallel kernel, then its twin
+        monkeypatch.setattr(fused, "_SERIAL", limit)
+        outs.append(run())
+    assert same(outs[0], outs[1])

@@ -19,7 +19,7 @@ import torch
 from numba import njit, prange
 
 from llvmlite import ir
-from numba import get_num_threads, get_thread_id, types
+from numba import get_thread_id, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -31,8 +31,10 @@ from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I3
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 
-#: below this many elements a fused op runs on one thread (waking the pool costs more)
-_SERIAL = 1 << 16
+#: below this much work (multiply-adds, state elements) a parallel op runs as its serial
+#: twin on the calling thread (``_run``): waking the pool cost more than the second core
+#: gave (docs/PERFORMANCE.md, "Per-token overhead"); results do not depend on it
+_SERIAL = 1 << 18
 
 
 @njit(cache=True, nogil=True)
@@ -189,52 +191,59 @@ def norm_rows(x: torch.Tensor, eps: float, w: torch.Tensor | None = None, mean: 
     return torch.from_numpy(out.reshape(xn.shape))
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _kda_recurrent(S0, eg, k, beta, v, q, S, o):
+@njit(cache=True, nogil=True, inline="always")
+def _kda_head(S0, eg, k, beta, v, q, S, o, h):
+    """Head h of the recurrence (kda_recurrent_steps): its state (dk x dv) stays in
+    cache for all T."""
     T, H, dk = k.shape
     dv = v.shape[2]
-    for h in prange(H):                 # one head's state (dk x dv) stays in cache for all T
-        u = np.empty(dv, np.float32)
-        d = np.empty(dv, np.float32)
-        src = S0
-        for t in range(T):
+    u = np.empty(dv, np.float32)
+    d = np.empty(dv, np.float32)
+    src = S0
+    for t in range(T):
+        for b in range(dv):
+            u[b] = np.float32(0.0)
+            o[t, h, b] = np.float32(0.0)
+        for a in range(dk):         # decay, and u = S'^T k
+            e = eg[t, h, a]
+            ka = k[t, h, a]
             for b in range(dv):
-                u[b] = np.float32(0.0)
-                o[t, h, b] = np.float32(0.0)
-            for a in range(dk):         # decay, and u = S'^T k
-                e = eg[t, h, a]
-                ka = k[t, h, a]
-                for b in range(dv):
-                    x = src[h, a, b] * e
-                    S[h, a, b] = x
-                    u[b] = u[b] + x * ka
-            bt = beta[t, h]
+                x = src[h, a, b] * e
+                S[h, a, b] = x
+                u[b] = u[b] + x * ka
+        bt = beta[t, h]
+        for b in range(dv):
+            d[b] = bt * (v[t, h, b] - u[b])
+        for a in range(dk):         # the rank-1 update, and o = S^T q
+            ka = k[t, h, a]
+            qa = q[t, h, a]
             for b in range(dv):
-                d[b] = bt * (v[t, h, b] - u[b])
-            for a in range(dk):         # the rank-1 update, and o = S^T q
-                ka = k[t, h, a]
-                qa = q[t, h, a]
-                for b in range(dv):
-                    x = S[h, a, b] + ka * d[b]
-                    S[h, a, b] = x
-                    o[t, h, b] = o[t, h, b] + x * qa
-            src = S
+                x = S[h, a, b] + ka * d[b]
+                S[h, a, b] = x
+                o[t, h, b] = o[t, h, b] + x * qa
+        src = S
 
 
-def _run(kernel, n, *args):
-    """kernel(*args) on the kernels' threads, or on one thread for small n (outside TBB,
-    k3.quant.bf16._threads)."""
-    get, put, serial_small = _threads()
-    if serial_small and n < _SERIAL:
-        nth = get()
-        if nth > 1:
-            put(1)
-            try:
-                kernel(*args)
-            finally:
-                put(nth)
-            return
-    kernel(*args)
+@njit(parallel=True, cache=True, nogil=True)
+def _kda_recurrent(S0, eg, k, beta, v, q, S, o):
+    for h in prange(k.shape[1]):
+        _kda_head(S0, eg, k, beta, v, q, S, o, h)
+
+
+@njit(cache=True, nogil=True)
+def _kda_recurrent_serial(S0, eg, k, beta, v, q, S, o):
+    for h in range(k.shape[1]):
+        _kda_head(S0, eg, k, beta, v, q, S, o, h)
+
+
+def _run(kernel, serial, n, *args):
+    """kernel(*args) on the kernels' threads, or its serial twin (the same compiled
+    block code, on the calling thread alone) for work below _SERIAL or one thread:
+    waking the pool for a few microseconds of work cost more than it gave."""
+    if n < _SERIAL or _threads()[0]() == 1:
+        serial(*args)
+    else:
+        kernel(*args)
 
 
 def _state_into(into, S0, shape) -> torch.Tensor:
@@ -268,7 +277,8 @@ def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, bet
     if T == 0:
         S[...] = S0.numpy()
     else:
-        _run(_kda_recurrent, T * S.size, S0.numpy(), eg.numpy(), k.numpy(), beta.numpy(), v.numpy(), q.numpy(), S, o)
+        _run(_kda_recurrent, _kda_recurrent_serial, T * S.size, S0.numpy(), eg.numpy(), k.numpy(), beta.numpy(),
+             v.numpy(), q.numpy(), S, o)
     return torch.from_numpy(o), into
 
 
@@ -287,43 +297,56 @@ _tile_a = make_tile(_NTA, _NRA, 1, "any", _V)
 _tile_a1 = make_tile(_NTA, 1, 1, "any", _V)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride, acc):
+    # block b (batch g, query tile i0) of _dots, with the thread's scratch acc
+    nj = K // LANES
+    km = nj * LANES
+    nti = (M + _NTA - 1) // _NTA
+    g = b // nti
+    i0 = (b - g * nti) * _NTA
+    nt = min(_NTA, M - i0)
+    xr = xr0 + g * xrg + i0
+    xo = xo0 + g * xog
+    wr = wr0 + g * wrg
+    wo = wo0 + g * wog
+    ob = g * og + i0 * ostride
+    n_hi = N
+    if causal:
+        n_hi = max(0, min(N, lim + i0 + nt))      # the tile's last row needs j <= lim + i0 + nt - 1
+    j = 0
+    while j < n_hi:
+        if j + _NRA <= n_hi:
+            _tile_a(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
+            j += _NRA
+        else:
+            _tile_a1(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
+            j += 1
+    if km < K:
+        for t in range(nt):
+            for jj in range(n_hi):
+                s = out[ob + t * ostride + jj]
+                for k in range(km, K):
+                    s = _fma(x[xr + t, xo + k], _as_f32(w[wr + jj, wo + k]), s)
+                out[ob + t * ostride + jj] = s
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal, out, og, ostride, nth):
     # out[g*og + i*ostride + j] = dot(x[xr0 + g*xrg + i, xo0 + g*xog + k], w[wr0 + g*wrg + j, wo0 + g*wog + k])
     # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order);
     # causal: row i only needs j <= lim + i (later j are left as they are)
-    nj = K // LANES
-    km = nj * LANES
-    nti = (M + _NTA - 1) // _NTA
     acc_all = np.empty((nth, _NTA * _NRA, LANES), np.float32)
-    for b in prange(G * nti):
-        g = b // nti
-        i0 = (b - g * nti) * _NTA
-        nt = min(_NTA, M - i0)
-        acc = acc_all[get_thread_id()]
-        xr = xr0 + g * xrg + i0
-        xo = xo0 + g * xog
-        wr = wr0 + g * wrg
-        wo = wo0 + g * wog
-        ob = g * og + i0 * ostride
-        n_hi = N
-        if causal:
-            n_hi = max(0, min(N, lim + i0 + nt))      # the tile's last row needs j <= lim + i0 + nt - 1
-        j = 0
-        while j < n_hi:
-            if j + _NRA <= n_hi:
-                _tile_a(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
-                j += _NRA
-            else:
-                _tile_a1(nt, acc, 0, _NTA, x, x, xr, xo, w, w, wr + j, wo, nj, 3, out, ob + j, ostride)
-                j += 1
-        if km < K:
-            for t in range(nt):
-                for jj in range(n_hi):
-                    s = out[ob + t * ostride + jj]
-                    for k in range(km, K):
-                        s = _fma(x[xr + t, xo + k], _as_f32(w[wr + jj, wo + k]), s)
-                    out[ob + t * ostride + jj] = s
+    for b in prange(G * ((M + _NTA - 1) // _NTA)):
+        _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride,
+                    acc_all[get_thread_id()])
+
+
+@njit(cache=True, nogil=True)
+def _dots_serial(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal, out, og, ostride, nth):
+    acc = np.empty((_NTA * _NRA, LANES), np.float32)
+    for b in range(G * ((M + _NTA - 1) // _NTA)):
+        _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride, acc)
 
 
 def make_tile_nn(max_nt, nv, v):
@@ -440,41 +463,53 @@ _CWN = _NVN * _V               # columns per product tile
 _tile_nn = make_tile_nn(_NTN, _NVN, _V)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride):
+    # block b (batch g, row tile i0) of _prods
+    nti = (M + _NTN - 1) // _NTN
+    g = b // nti
+    i0 = (b - g * nti) * _NTN
+    nt = min(_NTN, M - i0)
+    kk = K
+    if lim_on:
+        kk = max(0, min(K, lim + i0 + nt))
+    xr = xr0 + g * xrg + i0
+    xo = xo0 + g * xog
+    wr = wr0 + g * wrg
+    wo = wo0 + g * wog
+    ob = g * og + i0 * ostride
+    if nt == 1 and N >= _CWN:      # one row (decode): w's rows streamed whole, the chains in L1
+        a = np.zeros(N, np.float32)
+        for k in range(kk):         # (the register tiles walk w a tile of columns at a time,
+            _axpy_row(a, x[xr, xo + k], w, wr + k, wo, N)  # row after strided row)
+        for c in range(N):
+            out[ob + c] = a[c]
+        return
+    n = 0
+    while n + _CWN <= N:
+        _tile_nn(nt, x, xr, xo, w, wr, wo + n, kk, out, ob + n, ostride)
+        n += _CWN
+    for t in range(nt):
+        for c in range(n, N):
+            s = np.float32(0.0)
+            for k in range(kk):
+                s = _fma(x[xr + t, xo + k], _as_f32(w[wr + k, wo + c]), s)
+            out[ob + t * ostride + c] = s
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _prods(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on, out, og, ostride):
     # out[g*og + i*ostride + n] = fma chain over k < K (ascending, from +0) of
     # x[xr0 + g*xrg + i, xo0 + g*xog + k] * w[wr0 + g*wrg + k, wo0 + g*wog + n];
     # lim_on: row i only sums k <= lim + i, x being zero beyond (+0 lanes stay as they are)
-    nti = (M + _NTN - 1) // _NTN
-    for b in prange(G * nti):
-        g = b // nti
-        i0 = (b - g * nti) * _NTN
-        nt = min(_NTN, M - i0)
-        kk = K
-        if lim_on:
-            kk = max(0, min(K, lim + i0 + nt))
-        xr = xr0 + g * xrg + i0
-        xo = xo0 + g * xog
-        wr = wr0 + g * wrg
-        wo = wo0 + g * wog
-        ob = g * og + i0 * ostride
-        if nt == 1 and N >= _CWN:      # one row (decode): w's rows streamed whole, the chains in L1
-            a = np.zeros(N, np.float32)
-            for k in range(kk):         # (the register tiles walk w a tile of columns at a time,
-                _axpy_row(a, x[xr, xo + k], w, wr + k, wo, N)  # row after strided row)
-            for c in range(N):
-                out[ob + c] = a[c]
-            continue
-        n = 0
-        while n + _CWN <= N:
-            _tile_nn(nt, x, xr, xo, w, wr, wo + n, kk, out, ob + n, ostride)
-            n += _CWN
-        for t in range(nt):
-            for c in range(n, N):
-                s = np.float32(0.0)
-                for k in range(kk):
-                    s = _fma(x[xr + t, xo + k], _as_f32(w[wr + k, wo + c]), s)
-                out[ob + t * ostride + c] = s
+    for b in prange(G * ((M + _NTN - 1) // _NTN)):
+        _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride)
+
+
+@njit(cache=True, nogil=True)
+def _prods_serial(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on, out, og, ostride):
+    for b in range(G * ((M + _NTN - 1) // _NTN)):
+        _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride)
 
 
 def _rows2(t: torch.Tensor, bf16: bool = False) -> np.ndarray:
@@ -510,8 +545,8 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
     out, a, b = _out(G, M, N, out_at, np.zeros)
     if G and M and N:
         xn, wn = _rows2(x), _rows2(w, bf16=True)
-        _run(_dots, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
-             0 if causal is None else causal, causal is not None, out, a, b, get_num_threads())
+        _run(_dots, _dots_serial, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
+             0 if causal is None else causal, causal is not None, out, a, b, _threads()[0]())
     return torch.from_numpy(out)
 
 
@@ -529,7 +564,7 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
     that starts at +0), so a row gives the same bits whatever follows its keys."""
     out, a, b = _out(G, M, N, out_at, np.empty)
     if G and M and N:
-        _run(_prods, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
+        _run(_prods, _prods_serial, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
              -1 if causal is None else causal, causal is not None, out, a, b)
     return torch.from_numpy(out)
 
@@ -1624,18 +1659,27 @@ def _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v
     _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
 
 
+@njit(cache=True, nogil=True)
+def _kda_step1_serial(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y,
+                      out):
+    _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
+    T, Hk, dk = k.shape
+    _kda_recurrent_serial(S0, eg.reshape(T, Hk, dk), k, beta, v, q, S, o)
+    _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
+
+
 def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v, beta, S0, into,
              o_norm_w, eps: float, z):
     """KDA's decode step after its projections, in one compiled call: the decay and its
     exp (kda_decay with_exp), the recurrence (kda_recurrent_steps), the per-head RMS norm
     and output gate (norm_gate), each the same compiled code in the same order. Returns
     (the gated output [T, H * dv], the new state: ``into`` when it can hold it), or None
-    where that one call is not the path here (no fused math, a threading layer whose
-    small calls go to one thread, no tokens, a head split that does not divide): the
-    caller then runs those calls one by one."""
+    where that one call is not the path here (no fused math, no tokens, a head split
+    that does not divide): the caller then runs those calls one by one. Small steps run
+    serially (``_run``)."""
     T, HD = u.shape
     H, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    if not USE_VML or _threads()[2] or T == 0 or H != n_heads or H * dk != HD:
+    if not USE_VML or T == 0 or H != n_heads or H * dk != HD:
         return None
     args = _decay_args(u, a_log, dt_bias, n_heads, lower_bound)
     eg = np.empty(T * HD, np.float32)
@@ -1646,8 +1690,9 @@ def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v
     if zn.size != T * H * dv:
         raise ValueError(f"kda_step: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
     out = np.empty(zn.size, np.float32)
-    _kda_step1(*args, eg, S0n, _array(k), _array(beta), _array(v), _array(q), into.numpy(), o,
-               described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
+    _run(_kda_step1, _kda_step1_serial, T * H * dk * dv, *args, eg, S0n, _array(k), _array(beta), _array(v),
+         _array(q), into.numpy(), o, described(o_norm_w, _gain_array), float(eps), zn,
+         np.empty((T * H, dv), np.float32), out)
     return torch.from_numpy(out.reshape(z.shape)), into
 
 
