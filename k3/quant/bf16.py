@@ -795,7 +795,7 @@ def _launch(kernel, work, *args):
 #: one-token calls of fewer multiply-adds than this run on the calling thread alone
 #: (``_launch_t1``): waking the pool for them cost more than the second core gave
 #: (docs/PERFORMANCE.md, "Per-token overhead"); results do not depend on it
-_T1_SERIAL_WORK = 1 << 19
+_T1_SERIAL_WORK = 1 << 18
 
 
 def _launch_t1(kernel, serial, work, limit, *args):
