@@ -320,9 +320,9 @@ class ExpertCache:
                 f"{self.max_experts_per_call} at once (n_slots - 1): fetch them in groups")
         if not (0 <= layer < self.n_layers and self._moe[layer]):
             raise ValueError(f"layer {layer} is not an MoE layer of this model")
-        for e in uniq:
-            if not 0 <= e < self.n_experts:
-                raise ValueError(f"expert id {e} out of range 0..{self.n_experts - 1}")
+        if uniq and not (min(uniq) >= 0 and max(uniq) < self.n_experts):  # (two C calls, not a loop)
+            bad = next(e for e in uniq if not 0 <= e < self.n_experts)
+            raise ValueError(f"expert id {bad} out of range 0..{self.n_experts - 1}")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
         try:
@@ -347,25 +347,24 @@ class ExpertCache:
                 self._trace.append(e)
         out: dict[int, ExpertWeights] = {}
         missing: list[int] = []
+        slot_of, weights, touch = self._slot_of, self._weights, self._lru.move_to_end
         for e in uniq:
             key = (layer, e)
-            slot = self._slot_of.get(key)
+            slot = slot_of.get(key)
             if slot is None:
                 missing.append(e)
             else:
-                self._touch(key)
-                out[e] = self._weights[slot]
+                touch(key)
+                out[e] = weights[slot]
         n_miss = len(missing)
         for s in (run, step):
             s.requests += n_req
             s.hits += n_req - n_miss
             s.misses += n_miss
-        if missing:
-            self._load(layer, missing, set(uniq), out)
+        if not missing:
+            return out                    # built in the order of uniq already
+        self._load(layer, missing, set(uniq), out)
         return {e: out[e] for e in uniq}
-
-    def _touch(self, key) -> None:
-        self._lru.move_to_end(key)
 
     def _location(self, layer: int, e: int) -> ExpertLocation:
         key = (layer, e)

@@ -987,13 +987,21 @@ def situ_glu(g, u, beta: float, linear_beta: float | None) -> torch.Tensor:
     return _glu_of(g, u, (beta, linear_beta))
 
 
-def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarray:
+def expert_descriptors(fmt: str, ws) -> np.ndarray:
+    """The checked kernel descriptors of matrices ``ws`` (each kept per live weight
+    object, ``described``) of format ``fmt`` as one int64 array [len(ws), ...]."""
+    describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
+    return np.array([described(w, describe) for w in ws], np.int64)
+
+
+def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.ndarray | None = None) -> np.ndarray:
     """A group of routed experts: expert g multiplies rows rows[g] = (x0, x1) of x
     [M, d] (float32) by its gate and up matrices (w1s[g], w3s[g], of one out-size
     ``inter``), the GLU (SiTU-GLU with situ = (beta, linear_beta), else SiLU-GLU), then
     its down matrix w2s[g]. Returns the down outputs flat, row-major [pairs, d] in the
     order of the rows (expert 0's rows first). ``fmt``: "bf16" or "mxfp4", every weight
-    in it.
+    in it. ``descs``: the matrices' descriptors [3, G, ...] (``expert_descriptors`` of
+    w1s, w3s and w2s, stacked) where the caller keeps them per expert.
 
     Two kernel calls and the GLU between them (``_glu``, as silu_glu / situ_glu). It works
     in place in gate | up and its output (no scratch beside them), gate | up is dropped
@@ -1003,11 +1011,10 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None) -> np.ndarr
     minutes of first-run compile for a few tens of microseconds a layer.)"""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
-    describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
     G = len(w1s)
     if G == 0:
         return np.empty(0, np.float32)
-    d = np.array([described(w, describe) for ws in (w1s, w3s, w2s) for w in ws], np.int64).reshape(3, G, -1)
+    d = expert_descriptors(fmt, [*w1s, *w3s, *w2s]).reshape(3, G, -1) if descs is None else descs
     r = np.array(rows, np.int64).reshape(G, 2)
     jobs13 = np.empty((2 * G, J_ADDR + d.shape[2] - 2), np.int64)
     jobs2 = np.empty((G, jobs13.shape[1]), np.int64)
@@ -1185,8 +1192,13 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
 # over the sources (torch's row sum and softmax, re-done above): ONE compiled call
 # instead of seven torch ops and two compiled ones, where ``_mix_ok``.
 @njit(cache=True, nogil=True)
-def _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v):
+def _attn_mix(V, w, eps, out):
     S, T, d = V.shape
+    scaled = np.empty((S * T, d), np.float32)             # scratch made here: a numpy
+    scores = np.empty((T, S), np.float32)                 # allocation from Python costs
+    acc = np.empty((4, 4, _LANES8), np.float32)           # ten times one made in here
+    buf = np.empty(-(-S // _LANES8) * _LANES8, np.float32)
+    v = np.empty(2 * _LANES8, np.float32)
     _norm_rows(V.reshape(S * T, d), eps, w, True, scaled)
     for t in range(T):
         for s in range(S):
@@ -1196,8 +1208,8 @@ def _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v):
 
 
 @njit(cache=True, nogil=True)
-def _attn_mix_norm(V, w, eps, out, scaled, scores, acc, buf, v, nw, neps, normed):
-    _attn_mix(V, w, eps, out, scaled, scores, acc, buf, v)
+def _attn_mix_norm(V, w, eps, out, nw, neps, normed):
+    _attn_mix(V, w, eps, out)
     _norm_rows(out, neps, nw, True, normed)
 
 
@@ -1215,9 +1227,7 @@ def _attn_mix_compiled(V: torch.Tensor, w: torch.Tensor, eps: float, post=None) 
     S, T, d = V.shape
     Vn = _array(V)
     out = np.empty((T, d), np.float32)
-    args = (Vn, described(w, _gain_array), float(eps), out, np.empty((S * T, d), np.float32),
-            np.empty((T, S), np.float32), np.empty((4, 4, _LANES8), np.float32),
-            np.empty(-(-S // _LANES8) * _LANES8, np.float32), np.empty(2 * _LANES8, np.float32))
+    args = (Vn, described(w, _gain_array), float(eps), out)
     if post is None:
         _attn_mix(*args)
         return torch.from_numpy(out)

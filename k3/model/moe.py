@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..quant.bf16 import described
-from .fused import expert_ffn, moe_mix, route_topk
+from .fused import expert_descriptors, expert_ffn, moe_mix, route_topk
 from .ops import glu_act, kernel_format, linear, linears, mlp
 
 
@@ -38,15 +38,21 @@ def _situ(cfg) -> tuple | None:
 
 
 def _expert_kind(ew) -> tuple:
-    """(kernel format of its three matrices or None, gate rows) of one routed expert."""
-    return kernel_format([ew.w1, ew.w3, ew.w2]), ew.w1.shape[0]
+    """(kernel format of its three matrices or None, gate rows, and with a format their
+    kernel descriptors [3, ...] as ``expert_ffn`` takes them) of one routed expert."""
+    fmt = kernel_format([ew.w1, ew.w3, ew.w2])
+    return fmt, ew.w1.shape[0], None if fmt is None else expert_descriptors(fmt, [ew.w1, ew.w3, ew.w2])
 
 
-def _group_format(ews) -> str | None:
-    """The kernel format every expert of a group shares (with one gate size), else None.
-    Kept per live expert object (``described``): a cache slot's expert is checked once."""
-    kinds = {described(ew, _expert_kind) for ew in ews}
-    return next(iter(kinds))[0] if len(kinds) == 1 else None
+def _group_format(ews) -> tuple[str | None, np.ndarray | None]:
+    """(the kernel format every expert of a group shares (with one gate size), else None;
+    then the group's descriptors [3, G, ...] for expert_ffn). Kept per live expert
+    object (``described``): a cache slot's expert is checked once."""
+    kinds = [described(ew, _expert_kind) for ew in ews]
+    fmt, rows = kinds[0][:2]
+    if fmt is None or any(k[0] != fmt or k[1] != rows for k in kinds):
+        return None, None
+    return fmt, np.stack([k[2] for k in kinds], 1)
 
 
 def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
@@ -80,10 +86,10 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
             pos = every if es == experts else [experts.index(e) for e in es]
         else:
             rows, pos = [span[e] for e in es], [p for e in es for p in dest[e]]
-        fmt = _group_format(ews)
+        fmt, descs = _group_format(ews)
         if fmt is not None:
             y = torch.from_numpy(expert_ffn(fmt, x, [ew.w1 for ew in ews], [ew.w3 for ew in ews],
-                                            [ew.w2 for ew in ews], rows, situ)).view(-1, d)
+                                            [ew.w2 for ew in ews], rows, situ, descs)).view(-1, d)
             if contrib is None and pos == every:  # one group, in pair order: y is the result
                 return y.view(T, k, d)
         if contrib is None:
