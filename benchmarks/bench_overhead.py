@@ -112,15 +112,16 @@ def bytes_per_token(eng) -> int:
 
 
 class Counter:
-    """Counts numba kernel launches (k3.quant's _launch) and torch aten ops."""
+    """Counts the matmul kernels' launches (k3.quant's _launch and _launch_t1) and torch aten ops."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
         import k3.quant.bf16 as b
         import k3.quant.mxfp4 as m
         self.kernels = 0
-        self.mods = [mod for mod in (b, m) if hasattr(mod, "_launch")]
-        self.orig = [mod._launch for mod in self.mods]
+        # the general launcher and the one-token one (decode's projections and experts)
+        self.hooks = [(mod, name) for mod in (b, m) for name in ("_launch", "_launch_t1") if hasattr(mod, name)]
+        self.orig = [getattr(mod, name) for mod, name in self.hooks]
         counter = self
 
         class Ops(TorchDispatchMode):
@@ -143,14 +144,14 @@ class Counter:
     def count(self, fn) -> tuple[int, int]:
         self.kernels = 0
         self.Ops.n = 0
-        for mod, p in zip(self.mods, self.patched):
-            mod._launch = p
+        for (mod, name), p in zip(self.hooks, self.patched):
+            setattr(mod, name, p)
         try:
             with self.Ops():
                 fn()
         finally:
-            for mod, o in zip(self.mods, self.orig):
-                mod._launch = o
+            for (mod, name), o in zip(self.hooks, self.orig):
+                setattr(mod, name, o)
         return self.kernels, self.Ops.n
 
 
