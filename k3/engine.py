@@ -169,14 +169,27 @@ def pass_threads(tokens: int):
 
 def warm_kernels() -> None:
     """Run each numba kernel once on tiny inputs (loads it from the cache, or compiles it
-    on a fresh install): their code then counts in the RSS the plan measures."""
-    from .quant import bf16_linear, mxfp4_linear
+    on a fresh install): their code then counts in the RSS the plan measures, and the
+    first decode step compiles nothing. Decode's one-token kernels and the fused ops'
+    serial twins are run both ways (their work limits at 0, then as they are)."""
+    from .model import fused
+    from .quant import bf16, bf16_linear, mxfp4, mxfp4_linear
     w = torch.zeros(2, 64, dtype=torch.bfloat16)
     p, sc = torch.zeros(2, 32, dtype=torch.uint8), torch.full((2, 2), 127, dtype=torch.uint8)
-    for t in (1, 3):
-        x = torch.zeros(t, 64)
-        bf16_linear(x, w)
-        mxfp4_linear(x, p, sc)
+    limits = [(bf16, "_T1_SERIAL_WORK"), (mxfp4, "_T1_SERIAL_WORK"), (fused, "_SERIAL")]
+    kept = [getattr(m, n) for m, n in limits]
+    try:
+        for parallel in (True, False):
+            for (m, n), v in zip(limits, kept):
+                setattr(m, n, 0 if parallel else v)
+            for t in (1, 3):
+                x = torch.zeros(t, 64)
+                bf16_linear(x, w)
+                mxfp4_linear(x, p, sc)
+            fused.warm()
+    finally:
+        for (m, n), v in zip(limits, kept):
+            setattr(m, n, v)
 
 
 def _test_faults() -> dict:

@@ -1706,6 +1706,29 @@ def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v
     return torch.from_numpy(out.reshape(z.shape)), into
 
 
+def warm() -> None:
+    """Run the parallel ops a decode step uses (attention's dots and prods, KDA's step)
+    once on tiny inputs of the types decode gives them, so that a first decode step
+    compiles nothing (k3.engine.warm_kernels runs this with _SERIAL at 0, then as set)."""
+    H, L = 2, 64
+    x = torch.zeros(1, H * L)
+    for w in (torch.zeros(8, L), torch.zeros(2 * L, L, dtype=torch.bfloat16)):
+        dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L), causal=3)
+        dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L))
+    p = torch.zeros(1, H * 8)
+    for w in (torch.zeros(H * 8, 2 * _CWN), torch.zeros(H * 8, 2 * _CWN, dtype=torch.bfloat16)):
+        prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0), causal=7)
+        prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
+    dk, dv = 8, 8
+    u, z = torch.zeros(1, H * dk), torch.zeros(1, H * dv)
+    q = k = torch.zeros(1, H, dk)
+    for ow in (torch.ones(dv), torch.ones(dv, dtype=torch.bfloat16)):
+        for lb in (None, -5.0):
+            for S0 in (None, torch.zeros(H, dk, dv)):
+                kda_step(u, torch.zeros(H), torch.zeros(H * dk), H, lb, q, k, torch.zeros(1, H, dv),
+                         torch.zeros(1, H), S0, torch.empty(H, dk, dv), ow, 1e-6, z)
+
+
 def _exp_vector(a: torch.Tensor) -> np.ndarray:
     return torch.exp(a.reshape(-1).to(torch.float32)).numpy()
 
