@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from . import vml
 from .vml import sexp8, vexp, vlog, vtanh
 from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
-                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _threads, _row_ptr, _vfma, _vload,
+                          _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _launch_t1, _threads, _row_ptr, _vfma, _vload,
                           _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
@@ -238,12 +238,8 @@ def _kda_recurrent_serial(S0, eg, k, beta, v, q, S, o):
 
 def _run(kernel, serial, n, *args):
     """kernel(*args) on the kernels' threads, or its serial twin (the same compiled
-    block code, on the calling thread alone) for work below _SERIAL or one thread:
-    waking the pool for a few microseconds of work cost more than it gave."""
-    if n < _SERIAL or _threads()[0]() == 1:
-        serial(*args)
-    else:
-        kernel(*args)
+    block code) for work below _SERIAL: k3.quant.bf16._launch_t1's choice."""
+    _launch_t1(kernel, serial, n, _SERIAL, *args)
 
 
 def _state_into(into, S0, shape) -> torch.Tensor:

@@ -799,8 +799,9 @@ _T1_SERIAL_WORK = 1 << 18
 
 
 def _launch_t1(kernel, serial, work, limit, *args):
-    """A one-token kernel: ``serial(*args)`` on the calling thread when work < limit or
-    the caller has one numba thread, else the parallel ``kernel(*args)``."""
+    """A parallel kernel with a serial twin (the one-token kernels here, the fused ops'
+    ``_run``): ``serial(*args)`` on the calling thread when work < limit or the caller
+    has one numba thread, else ``kernel(*args)``."""
     if work < limit or (_TH or _threads())[0]() == 1:
         serial(*args)
     else:
