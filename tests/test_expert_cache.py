@@ -219,8 +219,10 @@ def test_call_size_and_argument_checks(lay):
     with cache(lay, 5) as c:
         with pytest.raises(ValueError, match="at most 4"):
             c.experts(0, [0, 1, 2, 3, 4])
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"expert id 24 out of range 0\.\.23"):
             c.experts(0, [24])
+        with pytest.raises(ValueError, match=r"expert id -1 out of range"):
+            c.experts(0, [3, -1])
         with pytest.raises(ValueError):
             c.experts(1, [0])
         assert c.experts(0, []) == {}
