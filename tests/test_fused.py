@@ -371,8 +371,11 @@ def test_online_softmax_tile_equals_the_torch_chain(math_form):
 
 
 # ------------------------------------------------------------------ Attention Residuals mix
-def _aten_avx2() -> bool:
-    return vml.HAS_SLEEF8 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+def _aten_replicated() -> bool:
+    """Whether torch runs the ATen kernels the compiled mix re-does (AVX2 or AVX512, with
+    SLEEF's exp of that width exported)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return (cap == "AVX2" and vml.HAS_SLEEF8) or (cap == "AVX512" and vml.HAS_SLEEF16)
 
 
 def ref_attn_mix(V, w, eps):
@@ -386,27 +389,32 @@ def ref_attn_mix(V, w, eps):
 
 
 def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
-    """The compiled mix's row sum and softmax are ATen's AVX2 ones re-done: against
-    torch.sum over rows of 8..40,000 (every cascade level, vector and scalar tails) and
-    torch.softmax over 1..100 scores (masked -inf scores, a tie at the maximum, large
-    spreads). This torch runs its AVX2 kernels here, so they must match."""
-    if not _aten_avx2():
-        pytest.skip("torch does not run its AVX2 kernels here (the mix keeps torch's chain)")
+    """The compiled mix's row sum and softmax are ATen's AVX2 / AVX512 ones re-done:
+    against torch.sum over rows of 1..40,000 (every cascade level, vector and scalar
+    tails) and torch.softmax over 1..100 scores (masked -inf scores, a tie at the
+    maximum, large spreads). This torch runs one of those paths here, so they must
+    match: the row sum with 8 lanes (on both paths of this torch), the softmax with 8
+    (AVX2) or 16 (AVX512)."""
+    if not _aten_replicated():
+        pytest.skip("torch runs neither its AVX2 nor its AVX512 kernels here (the mix keeps torch's chain)")
     assert fused._rowsum_ok()  # the router's one-call form is on
+    assert fused._SUM_L == 8
     g = torch.Generator().manual_seed(5)
-    acc = np.empty((4, 4, 8), np.float32)
-    for d in (8, 9, 15, 31, 32, 33, 127, 128, 129, 500, 1024, 2304, 4097, 7168, 16384, 40000):
+    acc = np.empty((4, 4, fused._SUM_L), np.float32)
+    for d in (1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 127, 128, 129, 500, 1024, 2304, 4097, 7168, 16384, 40000):
         x = torch.randn(40, d, generator=g) * torch.rand(40, 1, generator=g) * 10
         got = np.array([fused._torch_row_sum(r, acc) for r in x.numpy()], np.float32)
         assert np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32)), d
-    v = np.empty(16, np.float32)
+    L = fused._VL
+    assert L == (16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
+    v = np.empty(2 * L, np.float32)
     for n in list(range(1, 41)) + [63, 64, 65, 100]:
         x = torch.randn(300, n, generator=g) * torch.rand(300, 1, generator=g) * 30
         if n > 3:
             x[::5, 1] = float("-inf")
             x[1::5, 2] = x[1::5].max(-1).values
         got = x.clone().numpy()
-        buf = np.empty(-(-n // 8) * 8, np.float32)
+        buf = np.empty(-(-n // L) * L, np.float32)
         for r in got:
             fused._softmax_row8(r, n, buf, v)
         assert np.array_equal(got.view(np.int32), torch.softmax(x, -1).numpy().view(np.int32)), n
@@ -415,11 +423,11 @@ def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
 @pytest.mark.parametrize("S,T,d", [(1, 1, 64), (2, 1, 1024), (6, 1, 1000), (9, 4, 257), (17, 2, 2304),
                                    (33, 1, 100), (3, 5, 7)])
 def test_attn_mix_equals_the_torch_chain(S, T, d, threads):
-    """The mix (one compiled call where torch runs its AVX2 kernels, else the chain) has
-    the chain's bits; a source far larger than the others, rows shorter than a vector
-    (d = 7 takes the chain), and on this AVX2 torch the compiled form must be the one
-    running."""
-    if _aten_avx2():
+    """The mix (one compiled call where torch runs its AVX2 or AVX512 kernels, else the
+    chain) has the chain's bits; a source far larger than the others, rows shorter than
+    a vector (d = 7 takes the chain), and where torch runs those kernels the compiled
+    form must be the one running."""
+    if _aten_replicated():
         assert fused._mix_ok()
     g = torch.Generator().manual_seed(S * 100 + T)
     V = torch.randn(S, T, d, generator=g) * torch.rand(S, T, 1, generator=g) * 20
