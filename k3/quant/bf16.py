@@ -32,8 +32,8 @@ Kernels are numba ``@njit(parallel=True, cache=True, nogil=True)`` functions wit
 exactly one thread.
 
 * T = 1 (decode): each weight row is streamed once, its 64 lanes in registers (memory
-  bound); four rows at a time where the registers hold four rows' lanes (AVX-512) or
-  the rows are long (``_T1_FOUR_K``).
+  bound); four rows at a time where the rows are long (``_T1_FOUR_K``; not on the
+  generic path).
 * T > 1 (batches, speculative checks, prefill): register tiles of ``_NT`` tokens x
   ``_NR`` rows (``make_tile``). The 64 lanes are 64 independent sums, so a tile works
   on one machine register of lanes at a time (16 with AVX-512, 8 with AVX2,
@@ -105,13 +105,12 @@ def _vstore(builder, val, base, elem_index):
     builder.store(val, p, align=4)
 
 
-def _prefetch(builder, ptr, locality: int = 3):
-    """llvm.prefetch(ptr, read, locality (3: into L1, prefetcht0; 2: into L2,
-    prefetcht1), data)."""
+def _prefetch(builder, ptr):
+    """llvm.prefetch(ptr, read, high locality, data)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(locality), _I32(1)])
+    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(3), _I32(1)])
 
 
 def counted_loop(builder, n, inits: list, body, name: str) -> list:
@@ -483,14 +482,13 @@ _tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_KC)     # a block's last rows
 _unpermute = make_unpermute(PAIR_SPLIT)
 
 
-def make_dotn_bf16(nr: int, pf: int = 0):
+def make_dotn_bf16(nr: int):
     """An intrinsic ``dot(x, xi, w, wi, nj)``: x[xi] . fp32(w[wi + k]) for k < nr over K =
     64 * nj elements (no tail), each row's whole canonical order in registers (lanes from
     +0.0, nj fma steps, the halving tree): the same bits as ``_zero`` + ``_vdot_bf16`` +
     ``_tree_sum``, without a trip through memory per row (which dominates short rows).
     nr > 1 rows at once keep nr weight streams in flight and share the x loads; the
-    result is then a tuple. ``pf``: each step also prefetches, into L2, the two lines
-    ``pf`` elements ahead of each row's (``_T1_PF``)."""
+    result is then a tuple."""
     def typer(typingctx, x, xi, w, wi, nj):
         if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
                 and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
@@ -511,9 +509,6 @@ def make_dotn_bf16(nr: int, pf: int = 0):
 
             def body(j, acc):
                 off = builder.mul(j, _I64(LANES))
-                for p in wp if pf else ():
-                    for h in (0, LANES // 2):
-                        _prefetch(builder, builder.gep(p, [builder.add(off, _I64(pf + h))]), 2)
                 xv = _vload(builder, xp, off, _F32, LANES)
                 return [_vfma(builder, xv, widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)), a)
                         for p, a in zip(wp, acc)]
@@ -524,27 +519,20 @@ def make_dotn_bf16(nr: int, pf: int = 0):
 
         return sig, codegen
 
-    typer.__name__ = f"dot{nr}_bf16" + ("_pf" if pf else "")
+    typer.__name__ = f"dot{nr}_bf16"
     return intrinsic(typer)
 
 
 _dot_bf16 = make_dotn_bf16(1)
 _dot4_bf16 = make_dotn_bf16(4)
-#: T = 1 rows of at most _T1_PF_K elements prefetch the weights _T1_PF elements (12 KiB)
-#: ahead into L2. A short row is too short a stream for the hardware prefetcher to get
-#: ahead of, so a thread had only its L1 misses in flight: on Zen 4, [N, 768] matrices
-#: streamed cold at 14-17 GB/s without, 21-28 with (docs/PERFORMANCE.md); long rows
-#: gained nothing from it (into L1 they lost).
-_T1_PF = 6144
-_T1_PF_K = 4096
-_dot_bf16_pf = make_dotn_bf16(1, _T1_PF)
-_dot4_bf16_pf = make_dotn_bf16(4, _T1_PF)
 #: T = 1 streams four rows at once (four streams in flight keep the memory busier) when
-#: K is at least this: always on AVX-512 (4 x 4 zmm accumulators fit its 32 registers);
-#: on AVX2 only for long rows, since one row's 64 lanes already take 8 of its 16
-#: registers and four rows spill accumulators every step (on Zen 3 one row at a time
-#: was faster for K <= 2304, four for K >= 4096); never on the generic path
-_T1_FOUR_K = {"avx512": 0, "avx2": 4096}.get(_ISA, 1 << 62)
+#: K is at least this, on AVX-512 and AVX2 alike; never on the generic path. Short rows
+#: go one at a time: on AVX2 one row's 64 lanes already take 8 of its 16 registers and
+#: four rows spill accumulators every step (on Zen 3 one row at a time was faster for
+#: K <= 2304, four for K >= 4096); on AVX-512 (Zen 4) four short rows (four streams of
+#: 1.5 KB each, too short for the hardware prefetcher) streamed cold [N, 768] at 14-17
+#: GB/s, one at a time at 26-29 (docs/PERFORMANCE.md)
+_T1_FOUR_K = {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
 @intrinsic
@@ -651,19 +639,15 @@ def _t1_rows(x, x0, w, out, off, r0, r1):
     km = nj * LANES
     if km == K:                                       # no tail: the whole row in registers
         n = r0
-        pf = K <= _T1_PF_K
         while K >= _T1_FOUR_K and n + 3 < r1:         # four rows at a time: four streams in flight
-            if pf:
-                y0, y1, y2, y3 = _dot4_bf16_pf(x, x0, w, n, nj)
-            else:
-                y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
+            y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
             out[off + n] = y0
             out[off + n + 1] = y1
             out[off + n + 2] = y2
             out[off + n + 3] = y3
             n += 4
         while n < r1:
-            out[off + n] = _dot_bf16_pf(x, x0, w, n, nj) if pf else _dot_bf16(x, x0, w, n, nj)
+            out[off + n] = _dot_bf16(x, x0, w, n, nj)
             n += 1
         return
     acc = np.empty((1, LANES), np.float32)            # a tail (K % 64): lanes through memory
