@@ -1726,8 +1726,10 @@ def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v
 
 def warm() -> None:
     """Run the parallel ops a decode step uses (attention's dots and prods, KDA's step)
-    once on tiny inputs of the types decode gives them, so that a first decode step
-    compiles nothing (k3.engine.warm_kernels runs this with _SERIAL at 0, then as set)."""
+    once on tiny inputs of the types decode gives them, and the one-tile softmax that
+    only a decode step's single query row takes, so that a first decode step compiles
+    nothing (k3.engine.warm_kernels runs this with _SERIAL at 0, then as set)."""
+    scores_softmax(torch.zeros(8), torch.zeros(8), 0.125, 2, 4)
     H, L = 2, 64
     x = torch.zeros(1, H * L)
     for w in (torch.zeros(8, L), torch.zeros(2 * L, L, dtype=torch.bfloat16)):
