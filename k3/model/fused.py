@@ -570,18 +570,16 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
 # renormalisation, the Attention Residuals scores and weights), these re-do them as
 # ATen computes them on its AVX2 path (8-lane vectors) or its AVX512 one: the sum's
 # four interleaved vector accumulators with their cascade levels (SumKernel's row_sum;
-# 8 lanes on both paths of torch 2.13, as measured: ``_rowsum_ok`` finds the count),
-# the softmax's vector max / exp / sum / reciprocal (SoftMaxKernel's
-# _vec_softmax_lastdim, SLEEF's exp; 16 lanes on AVX512), so the torch op between two
-# compiled passes goes. The lane counts travel in the scratch arrays' shapes (run-time
-# values, so one cached compile serves every path). Each user switches itself on only
-# where a check against torch gives the same bits (``_rowsum_ok``, ``_mix_ok``);
-# elsewhere (another ATen path, no SLEEF export) torch's op runs as before.
+# the bits of 8-lane vectors on both paths of torch 2.13, as measured), the softmax's
+# vector max / exp / sum / reciprocal (SoftMaxKernel's _vec_softmax_lastdim, SLEEF's
+# exp; 16 lanes on AVX512, the count passed in the scratch's shape, a run-time value,
+# so one cached compile serves both paths), so the torch op between two compiled
+# passes goes. Each user switches itself on only where a check against torch gives
+# the same bits (``_rowsum_ok``, ``_mix_ok``); elsewhere (another ATen path, no SLEEF
+# export) torch's op runs as before.
 _LANES8 = 8
 #: the lanes of ATen's softmax vectors on the path it runs here (AVX512: 16)
 _VL = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
-#: the lanes of ATen's row sum here (set by ``_rowsum_ok``)
-_SUM_L = 8
 
 
 @njit(cache=True, nogil=True)
@@ -596,35 +594,31 @@ def _ceil_log2(x):
 
 @njit(cache=True, nogil=True, inline="always")
 def _add_group(acc, x, i):
-    """Vectors 4i .. 4i + 3 of x into the level-0 accumulators 0 .. 3 (L = acc.shape[2]
-    lanes)."""
-    L = acc.shape[2]
+    """Vectors 4i .. 4i + 3 of x into the level-0 accumulators 0 .. 3."""
     for k in range(4):
-        b = (4 * i + k) * L
-        for l in range(L):
+        b = (4 * i + k) * _LANES8
+        for l in range(_LANES8):
             acc[0, k, l] += x[b + l]
 
 
 @njit(cache=True, nogil=True)
 def _torch_row_sum(x, acc):
-    """sum(x) for a 1-D float32 row, in the order of ATen's inner sum, with L =
-    acc.shape[2] lanes (8: its AVX2 path, 16: AVX512). From L elements (vectorized):
-    L-lane vectors; four of them interleaved (vector 4i + k into accumulator k) through
-    up to four cascade levels of 2^p vectors each (p = max(4, ceil_log2(n / 4L) // 4));
-    leftover vectors into accumulator 0, accumulators 1..3 added to it; then the scalar
-    tail from 0, then the L lanes in order. Below L (scalar): element 4i + k into
-    accumulator k, the rest into the first, then the others added to it. acc: scratch
-    [4, 4, L] float32."""
+    """sum(x) for a 1-D float32 row, in the order of ATen's inner sum. From 8 elements
+    (vectorized): 8-lane vectors; four of them interleaved (vector 4i + k into
+    accumulator k) through up to four cascade levels of 2^p vectors each (p = max(4,
+    ceil_log2(n / 32) // 4)); leftover vectors into accumulator 0, accumulators 1..3
+    added to it; then the scalar tail from 0, then the 8 lanes in order. Below 8
+    (scalar): elements 0..3 into four accumulators, the rest into the first, then the
+    others added to it. acc: scratch [4, 4, 8] float32."""
     d = x.size
-    L = acc.shape[2]
-    if d < L:
+    if d < _LANES8:
         p0 = p1 = p2 = p3 = np.float32(0.0)
-        for i in range(d // 4):
-            p0, p1, p2, p3 = p0 + x[4 * i], p1 + x[4 * i + 1], p2 + x[4 * i + 2], p3 + x[4 * i + 3]
+        if d >= 4:
+            p0, p1, p2, p3 = p0 + x[0], p1 + x[1], p2 + x[2], p3 + x[3]
         for e in range(4 * (d // 4), d):
             p0 += x[e]
         return np.float32(0.0) + (((p0 + p1) + p2) + p3)
-    nv = d // L
+    nv = d // _LANES8
     ni = nv // 4
     acc[:] = 0
     lp = max(4, _ceil_log2(ni) // 4) if ni > 1 else 4
@@ -636,7 +630,7 @@ def _torch_row_sum(x, acc):
             i += 1
         for j in range(1, 4):
             for k in range(4):
-                for l in range(L):
+                for l in range(_LANES8):
                     acc[j, k, l] += acc[j - 1, k, l]
                     acc[j - 1, k, l] = 0
             if i & ((step - 1) << (j * lp)):
@@ -646,18 +640,18 @@ def _torch_row_sum(x, acc):
         i += 1
     for j in range(1, 4):
         for k in range(4):
-            for l in range(L):
+            for l in range(_LANES8):
                 acc[0, k, l] += acc[j, k, l]
     for v in range(4 * ni, nv):
-        for l in range(L):
-            acc[0, 0, l] += x[v * L + l]
+        for l in range(_LANES8):
+            acc[0, 0, l] += x[v * _LANES8 + l]
     for k in range(1, 4):
-        for l in range(L):
+        for l in range(_LANES8):
             acc[0, 0, l] += acc[0, k, l]
     f = np.float32(0.0)
-    for e in range(nv * L, d):
+    for e in range(nv * _LANES8, d):
         f += x[e]
-    for l in range(L):
+    for l in range(_LANES8):
         f += acc[0, 0, l]
     return f
 
@@ -673,7 +667,7 @@ def _vop(a, b, add):
 
 
 @njit(cache=True, nogil=True)
-def _reduce_all8(x, n, add, v):
+def _reduce_all(x, n, add, v):
     """ATen's vec::reduce_all of x[:n] with add or maximum, L = v.size // 2 lanes (v:
     scratch of 2L): below L elements one after another; else L-lane vectors (the partial
     last one into its first lanes), then the lane tree (i, i ^ L/2), .., (i, i ^ 1)
@@ -703,11 +697,11 @@ def _reduce_all8(x, n, add, v):
 
 
 @njit(cache=True, nogil=True)
-def _softmax_row8(x, n, buf, v):
+def _softmax_row(x, n, buf, v):
     """x[:n] = torch.softmax(x[:n]) as ATen's AVX2 (L = 8) or AVX512 (L = 16) kernel
     computes it: the maximum, then exp(x - max) (SLEEF's L-lane exp), their sum, one
     reciprocal, each times it. buf: scratch of n rounded up to L; v: scratch of 2L."""
-    m = _reduce_all8(x, n, False, v)
+    m = _reduce_all(x, n, False, v)
     nb = buf.size
     for i in range(nb):
         buf[i] = x[i] - m if i < n else np.float32(0.0)
@@ -715,7 +709,7 @@ def _softmax_row8(x, n, buf, v):
         sexp16(buf, buf)
     else:
         sexp8(buf, buf)
-    s = _reduce_all8(buf, n, True, v)
+    s = _reduce_all(buf, n, True, v)
     r = np.float32(1.0) / s
     for i in range(n):
         x[i] = buf[i] * r
@@ -726,23 +720,19 @@ _ROWSUM_OK: bool | None = None
 
 def _rowsum_ok() -> bool:
     """Whether _torch_row_sum gives torch.sum's bits here (ATen on its AVX2 or AVX512
-    path, rows of 1..5,000, the scalar form, every cascade level and tail), with 8 or
-    16 lanes (the first that does sets ``_SUM_L``)."""
-    global _ROWSUM_OK, _SUM_L
+    path, rows of 1..5,000, the scalar form, every cascade level and tail)."""
+    global _ROWSUM_OK
     if _ROWSUM_OK is None:
         _ROWSUM_OK = False
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            for lanes in (8, 16):
-                g = torch.Generator().manual_seed(20261203)
-                acc = np.empty((4, 4, lanes), np.float32)
-                ok = True
-                for d in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 31, 33, 64, 100, 255, 513, 1024, 2049, 5000):
-                    x = torch.randn(8, d, generator=g) * torch.rand(8, 1, generator=g) * 10
-                    got = np.array([_torch_row_sum(r, acc) for r in x.numpy()], np.float32)
-                    ok = ok and np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32))
-                if ok:
-                    _ROWSUM_OK, _SUM_L = True, lanes
-                    break
+            g = torch.Generator().manual_seed(20261203)
+            acc = np.empty((4, 4, _LANES8), np.float32)
+            ok = True
+            for d in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 31, 33, 64, 100, 255, 513, 1024, 2049, 5000):
+                x = torch.randn(8, d, generator=g) * torch.rand(8, 1, generator=g) * 10
+                got = np.array([_torch_row_sum(r, acc) for r in x.numpy()], np.float32)
+                ok = ok and np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32))
+            _ROWSUM_OK = ok
     return _ROWSUM_OK
 
 
@@ -1192,7 +1182,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
     if USE_VML and renorm and k >= _LANES8 and _rowsum_ok():  # the renormalising sum re-done: one call
         xn = _flat(logits)
         _route_topk_sum(xn, bn, k, ids, wts, np.empty_like(xn), np.float32(scale),
-                        np.empty((4, 4, _SUM_L), np.float32))
+                        np.empty((4, 4, _LANES8), np.float32))
         return torch.from_numpy(ids), torch.from_numpy(wts)
     if USE_VML:
         xn = _flat(logits)
@@ -1210,24 +1200,24 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: 
 # over the sources (torch's row sum and softmax, re-done above): ONE compiled call
 # instead of seven torch ops and two compiled ones, where ``_mix_ok``.
 @njit(cache=True, nogil=True)
-def _attn_mix(V, w, eps, out, sl, vl):
+def _attn_mix(V, w, eps, out, vl):
     S, T, d = V.shape
     scaled = np.empty((S * T, d), np.float32)             # scratch made here: a numpy
     scores = np.empty((T, S), np.float32)                 # allocation from Python costs
-    acc = np.empty((4, 4, sl), np.float32)                # ten times one made in here
+    acc = np.empty((4, 4, _LANES8), np.float32)           # ten times one made in here
     buf = np.empty(-(-S // vl) * vl, np.float32)
     v = np.empty(2 * vl, np.float32)
     _norm_rows(V.reshape(S * T, d), eps, w, True, scaled)
     for t in range(T):
         for s in range(S):
             scores[t, s] = _torch_row_sum(scaled[s * T + t], acc)
-        _softmax_row8(scores[t], S, buf, v)
+        _softmax_row(scores[t], S, buf, v)
     _weighted_sum(V.transpose(1, 0, 2), scores, out)
 
 
 @njit(cache=True, nogil=True)
-def _attn_mix_norm(V, w, eps, out, sl, vl, nw, neps, normed):
-    _attn_mix(V, w, eps, out, sl, vl)
+def _attn_mix_norm(V, w, eps, out, vl, nw, neps, normed):
+    _attn_mix(V, w, eps, out, vl)
     _norm_rows(out, neps, nw, True, normed)
 
 
@@ -1245,7 +1235,7 @@ def _attn_mix_compiled(V: torch.Tensor, w: torch.Tensor, eps: float, post=None) 
     S, T, d = V.shape
     Vn = _array(V)
     out = np.empty((T, d), np.float32)
-    args = (Vn, described(w, _gain_array), float(eps), out, _SUM_L, _VL)
+    args = (Vn, described(w, _gain_array), float(eps), out, _VL)
     if post is None:
         _attn_mix(*args)
         return torch.from_numpy(out)
@@ -1259,9 +1249,9 @@ _MIX_OK: bool | None = None
 
 def _mix_ok() -> bool:
     """Whether the compiled mix gives the chain's bits here: ATen on its AVX2 or AVX512
-    path, SLEEF's exp of its width exported, and a check on random and special cases (1..40 sources, one and several
-    tokens, rows of 8..7,200 with a scalar tail, a masked-like very negative score) equal
-    bit for bit."""
+    path, SLEEF's exp of its width exported, and a check on random and special cases
+    (1..40 sources, one and several tokens, rows of 8..7,200 with a scalar tail, a
+    masked-like very negative score) equal bit for bit."""
     global _MIX_OK
     if _MIX_OK is None:
         _MIX_OK = False
@@ -1383,7 +1373,7 @@ def scores_softmax(a: torch.Tensor, b: torch.Tensor, scale: float, rows: int, n:
         return None
     p = np.empty((rows, n), np.float32)
     sums = np.empty(rows, np.float32)
-    _scores_softmax1(_flat(a), _flat(b), np.float32(scale), p, sums, np.empty((4, 4, _SUM_L), np.float32))
+    _scores_softmax1(_flat(a), _flat(b), np.float32(scale), p, sums, np.empty((4, 4, _LANES8), np.float32))
     return torch.from_numpy(p), torch.from_numpy(sums)
 
 

@@ -86,63 +86,37 @@ def vlog(a, out):
     _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
 
 
-_V8 = ir.VectorType(ir.FloatType(), 8)
+def _sleef_exp_intrinsic(lanes: int, symbol: str, have: bool):
+    """An intrinsic ``(a, out, i)``: out[i : i + lanes] = symbol(a[i : i + lanes]) (1-D
+    float32 arrays), one call of SLEEF's vector function on one register, the <lanes x
+    float> argument and result in a ymm / zmm register as the x86-64 ABI passes __m256 /
+    __m512. Where libtorch lacks the symbol (``have`` false) it copies instead, so the
+    users' checks against torch fail and they stay off."""
+    vt = ir.VectorType(ir.FloatType(), lanes)
+
+    def typer(typingctx, a, out, i):
+        if not (isinstance(a, types.Array) and isinstance(out, types.Array) and a.dtype == types.float32
+                and out.dtype == types.float32 and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            src = context.make_array(sig.args[0])(context, builder, args[0]).data
+            dst = context.make_array(sig.args[1])(context, builder, args[1]).data
+            k = context.cast(builder, args[2], sig.args[2], types.int64)
+            v = builder.load(builder.bitcast(builder.gep(src, [k]), vt.as_pointer()), align=4)
+            if have:
+                v = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), symbol), [v])
+            builder.store(v, builder.bitcast(builder.gep(dst, [k]), vt.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(a, out, i), codegen
+
+    typer.__name__ = f"sleef_exp{lanes}_at"
+    return intrinsic(typer)
 
 
-@intrinsic
-def _sleef_exp8_at(typingctx, a, out, i):
-    """out[i : i + 8] = Sleef_expf8_u10(a[i : i + 8]) (1-D float32 arrays): one call of
-    SLEEF's vector function on an 8-lane register, the <8 x float> argument and result
-    in a ymm register as the x86-64 ABI passes __m256."""
-    if not (isinstance(a, types.Array) and isinstance(out, types.Array) and a.dtype == types.float32
-            and out.dtype == types.float32 and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), _SLEEF_EXP8)
-        src = context.make_array(sig.args[0])(context, builder, args[0]).data
-        dst = context.make_array(sig.args[1])(context, builder, args[1]).data
-        k = context.cast(builder, args[2], sig.args[2], types.int64)
-        v = builder.load(builder.bitcast(builder.gep(src, [k]), _V8.as_pointer()), align=4)
-        builder.store(builder.call(fn, [v]), builder.bitcast(builder.gep(dst, [k]), _V8.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return types.void(a, out, i), codegen
-
-
-_V16 = ir.VectorType(ir.FloatType(), 16)
-
-
-@intrinsic
-def _sleef_exp16_at(typingctx, a, out, i):
-    """out[i : i + 16] = Sleef_expf16_u10(a[i : i + 16]), as ``_sleef_exp8_at`` (the
-    <16 x float> in a zmm register, as the x86-64 ABI passes __m512; only called on
-    CPUs with AVX-512, where ATen's AVX512 kernels run). Where libtorch lacks the
-    symbol it copies instead (its users' checks against torch then fail: they stay off)."""
-    if not (isinstance(a, types.Array) and isinstance(out, types.Array) and a.dtype == types.float32
-            and out.dtype == types.float32 and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        src = context.make_array(sig.args[0])(context, builder, args[0]).data
-        dst = context.make_array(sig.args[1])(context, builder, args[1]).data
-        k = context.cast(builder, args[2], sig.args[2], types.int64)
-        v = builder.load(builder.bitcast(builder.gep(src, [k]), _V16.as_pointer()), align=4)
-        if HAS_SLEEF16:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16]), _SLEEF_EXP16)
-            v = builder.call(fn, [v])
-        builder.store(v, builder.bitcast(builder.gep(dst, [k]), _V16.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return types.void(a, out, i), codegen
-
-
-@njit(cache=True, nogil=True)
-def sexp16(a, out):
-    """``sexp8`` with ATen's AVX512 vector exp (SLEEF's 16-lane form), for sizes that are
-    a multiple of 16."""
-    for i in range(0, a.size - 15, 16):
-        _sleef_exp16_at(a, out, i)
+_sleef_exp8_at = _sleef_exp_intrinsic(8, _SLEEF_EXP8, HAS_SLEEF8)
+_sleef_exp16_at = _sleef_exp_intrinsic(16, _SLEEF_EXP16, HAS_SLEEF16)
 
 
 @njit(cache=True, nogil=True)
@@ -153,6 +127,14 @@ def sexp8(a, out):
     before they switch themselves on (k3.model.fused.attn_mix)."""
     for i in range(0, a.size - 7, 8):
         _sleef_exp8_at(a, out, i)
+
+
+@njit(cache=True, nogil=True)
+def sexp16(a, out):
+    """``sexp8`` with ATen's AVX512 vector exp (SLEEF's 16-lane form, only called where
+    AVX-512 runs), for sizes that are a multiple of 16."""
+    for i in range(0, a.size - 15, 16):
+        _sleef_exp16_at(a, out, i)
 
 
 def _probe_values() -> np.ndarray:

@@ -141,6 +141,15 @@ def _half_scale_bits_ir(builder, s, vt):
     return builder.select(builder.icmp_unsigned("==", s, c(255)), c(0), bits)
 
 
+def _concat_ir(builder, parts):
+    """One vector of the 1, 2, 4, .. equally typed vectors ``parts``, in order."""
+    while len(parts) > 1:
+        m = parts[0].type.count
+        idx = ir.Constant(ir.VectorType(ir.IntType(32), 2 * m), list(range(2 * m)))
+        parts = [builder.shuffle_vector(parts[k], parts[k + 1], idx) for k in range(0, len(parts), 2)]
+    return parts[0]
+
+
 #: 2 x the E2M1 value of each nibble as a signed byte (nibble 8, -0, gives 0)
 _DEC2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -164,12 +173,7 @@ def _dec2_nibble_ir(builder, n, vt):
                 n, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), width),
                                                               list(range(k * width, (k + 1) * width))))
             parts.append(builder.call(fn, [table, piece]))
-        while len(parts) > 1:
-            a, b = parts[0], parts[1]
-            m = a.type.count
-            parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 2 * m),
-                                                              list(range(2 * m))))] + parts[2:]
-        return parts[0]
+        return _concat_ir(builder, parts)
 
     def c(v):
         return ir.Constant(vt, [v] * vt.count)
@@ -211,14 +215,7 @@ def _decode_step_perm_ir(builder, pp, sp, j):
         es.append(builder.call(perm, [tab, d]))
         os_.append(builder.call(perm, [tab, builder.lshr(d, four)]))
 
-    def cat(parts):
-        while len(parts) > 1:
-            m = parts[0].type.count
-            idx = ir.Constant(ir.VectorType(I32, 2 * m), list(range(2 * m)))
-            parts = [builder.shuffle_vector(parts[k], parts[k + 1], idx) for k in range(0, len(parts), 2)]
-        return parts[0]
-
-    return cat(es), cat(os_)
+    return _concat_ir(builder, es), _concat_ir(builder, os_)
 
 
 def _decode_step_ir(builder, pp, sp, j):
