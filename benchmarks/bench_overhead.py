@@ -8,11 +8,16 @@ expert read in before timing:
   bytes/token  weight bytes one decode step reads: every trunk tensor of every layer,
                top-k routed experts per MoE layer, lm_head and the final norms (one
                embedding row is left out)
-  bw           memory read bandwidth measured now: best of 5 reads of a 1 GiB fp32
-               buffer (torch.sum on the decode's threads); a copy (torch copy_, 2 bytes
-               counted per byte copied, as STREAM does) is reported beside it
+  bw           memory read bandwidth measured at the start: best of 5 reads of a 1 GiB
+               fp32 buffer (torch.sum on the decode's threads); a copy (torch copy_, 2
+               bytes counted per byte copied, as STREAM does) is reported beside it
   bound        bytes/token / bw: the memory-bound time of a step
   ratio        s/token / bound
+  bw beside, ratio beside
+               the same read probe (best of 3) taken right before and right after each
+               rep, their mean, and the rep's ratio against the bound it gives: on a
+               shared host whose bandwidth drifts by a third within minutes, a probe
+               taken beside the rep measures the machine the rep ran on
   kernels/layer, torch ops/layer
                numba kernel launches and torch (aten) ops of one decode step, counted in
                a separate untimed step, divided by the layers
@@ -69,19 +74,30 @@ def ensure_model(cache: Path, arm: str) -> Path:
     return d
 
 
-def bandwidth(reps: int = 5) -> tuple[float, float]:
-    """(read, copy) GB/s: best of ``reps`` over a 1 GiB fp32 buffer."""
-    a = torch.ones(GIB // 4)
-    b = torch.empty_like(a)
-    read = copy = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        float(a.sum())
-        read = max(read, GIB / (time.perf_counter() - t0) / 1e9)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        copy = max(copy, 2 * GIB / (time.perf_counter() - t0) / 1e9)
-    return read, copy
+class Probe:
+    """The memory probes over one pair of 1 GiB fp32 buffers, made once."""
+
+    def __init__(self):
+        self.a = torch.ones(GIB // 4)
+        self.b = torch.empty_like(self.a)
+
+    def read(self, reps: int) -> float:
+        """Read GB/s: best of ``reps`` sums over the buffer."""
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            float(self.a.sum())
+            best = max(best, GIB / (time.perf_counter() - t0) / 1e9)
+        return best
+
+    def copy(self, reps: int) -> float:
+        """Copy GB/s (two bytes counted per byte copied): best of ``reps``."""
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.b.copy_(self.a)
+            best = max(best, 2 * GIB / (time.perf_counter() - t0) / 1e9)
+        return best
 
 
 def _nbytes(w) -> int:
@@ -163,7 +179,8 @@ def git_rev() -> str:
         return "?"
 
 
-def measure(arm: str, d: Path, args, tsv: Tsv, bw: tuple[float, float], flags: str, rev: str) -> list[float]:
+def measure(arm: str, d: Path, args, tsv: Tsv, probe: Probe, bw: tuple[float, float], flags: str,
+            rev: str) -> list[tuple[float, float, float]]:
     eng = k3.load(d, threads=args.threads, max_context=args.prompt_len + args.gen + 16, log=lambda *a, **k: None)
     try:
         cfg, prov = eng.cfg, eng.provider
@@ -185,16 +202,22 @@ def measure(arm: str, d: Path, args, tsv: Tsv, bw: tuple[float, float], flags: s
         out = []
         for rep in range(args.reps):
             l0 = loadavg()
+            before = probe.read(3)
             steps = list(eng.decode(prompt, state=eng.new_state(), max_tokens=args.gen + 1))
+            after = probe.read(3)
             l1 = loadavg()
             dec = [s.seconds for s in steps[1:]]
             spt = statistics.mean(dec)
-            out.append(spt)
+            beside = (before + after) / 2
+            ratio_beside = spt / (nbytes / (beside * 1e9))
+            out.append((spt, spt / bound, ratio_beside))
             tsv.add(arm=arm, code=rev, layers=eng.n_layers, rep=rep, threads=args.threads, tokens=len(dec),
                     s_per_token=spt, s_median=statistics.median(dec), bytes_per_token=nbytes, bw_read_gbs=bw[0],
                     bw_copy_gbs=bw[1], bound_s=bound, ratio=spt / bound, kernels_per_layer=kern / eng.n_layers,
-                    torch_ops_per_layer=ops / eng.n_layers, load_before=l0, load_after=l1, cpu=flags)
+                    torch_ops_per_layer=ops / eng.n_layers, load_before=l0, load_after=l1, cpu=flags,
+                    bw_before_gbs=before, bw_after_gbs=after, ratio_beside=ratio_beside)
             print(f"{arm:22} rep {rep}: {spt * 1e3:8.2f} ms/token  bound {bound * 1e3:7.2f} ms  ratio {spt / bound:6.2f}  "
+                  f"beside: probe {before:4.1f}/{after:4.1f} GB/s ratio {ratio_beside:5.2f}  "
                   f"kernels/layer {kern / eng.n_layers:5.1f}  torch ops/layer {ops / eng.n_layers:6.1f}  "
                   f"load {l0:.1f}->{l1:.1f}", file=sys.stderr)
         return out
@@ -220,20 +243,24 @@ def main(argv=None) -> int:
             ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
     dirs = {a: ensure_model(cache, a) for a in arms}
     torch.set_num_threads(args.threads)
-    bw = bandwidth()
+    probe = Probe()
+    bw = probe.read(5), probe.copy(5)
     flags, rev = cpu_flags(), git_rev()
     print(f"code {rev}; memory read {bw[0]:.1f} GB/s, copy {bw[1]:.1f} GB/s; {flags}", file=sys.stderr)
     tsv = Tsv(Path(args.tsv), ["arm", "code", "layers", "rep", "threads", "tokens", "s_per_token", "s_median",
                                "bytes_per_token", "bw_read_gbs", "bw_copy_gbs", "bound_s", "ratio",
-                               "kernels_per_layer", "torch_ops_per_layer", "load_before", "load_after", "cpu"])
+                               "kernels_per_layer", "torch_ops_per_layer", "load_before", "load_after", "cpu",
+                               "bw_before_gbs", "bw_after_gbs", "ratio_beside"])
     summary = []
     for a in arms:
-        spts = measure(a, dirs[a], args, tsv, bw, flags, rev)
-        if spts:
-            summary.append((a, statistics.mean(spts), min(spts), max(spts)))
-    print("\narm                    mean ms/token   min     max", file=sys.stderr)
-    for a, m, lo, hi in summary:
-        print(f"{a:22} {m * 1e3:10.2f} {lo * 1e3:8.2f} {hi * 1e3:8.2f}", file=sys.stderr)
+        reps = measure(a, dirs[a], args, tsv, probe, bw, flags, rev)
+        if reps:
+            summary.append((a, [r[0] for r in reps], [r[1] for r in reps], [r[2] for r in reps]))
+    print("\narm                    mean ms/token   min     max   ratio (start probe)  ratio (probe beside)",
+          file=sys.stderr)
+    for a, spts, rs, rb in summary:
+        print(f"{a:22} {statistics.mean(spts) * 1e3:10.2f} {min(spts) * 1e3:8.2f} {max(spts) * 1e3:8.2f}   "
+              f"{min(rs):6.2f} - {max(rs):5.2f}        {min(rb):6.2f} - {max(rb):5.2f}", file=sys.stderr)
     print(f"wrote {args.tsv} (run {tsv.run})", file=sys.stderr)
     return 0
 

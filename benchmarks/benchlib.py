@@ -194,6 +194,19 @@ class Tsv:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.exists() or self.path.stat().st_size == 0:
             self.path.write_text("\t".join(self.cols) + "\n")
+            return
+        with open(self.path) as f:
+            head = f.readline().rstrip("\n").split("\t")
+        if head == self.cols:
+            return
+        if self.cols[:len(head)] != head:
+            raise SystemExit(f"{self.path}: its columns ({', '.join(head)}) are not these "
+                             f"({', '.join(self.cols)}); pass another file")
+        # columns added at the end: the header grows, older rows leave them empty
+        text = self.path.read_text()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("\t".join(self.cols) + "\n" + text.split("\n", 1)[1])
+        os.replace(tmp, self.path)
 
     def add(self, **row):
         vals = [self.run] + [_fmt(row.get(c, "")) for c in self.cols[1:]]
