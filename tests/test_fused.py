@@ -214,7 +214,7 @@ def test_expert_ffn_tables_are_grouped_jobs_tables(fmt):
     w1s, w3s, w2s = [e.w1 for e in ews], [e.w3 for e in ews], [e.w2 for e in ews]
     rows = [(0, 2), (2, 2), (2, 5), (5, 6)]
     describe = _bf16_matrix if fmt == "bf16" else _mxfp4_weight
-    dd = np.array([described(w, describe) for ws in (w1s, w3s, w2s) for w in ws], np.int64).reshape(3, 4, -1)
+    dd = np.array([described(w, describe) for e in zip(w1s, w3s, w2s) for w in e], np.int64).reshape(4, 3, -1)
     j13 = np.empty((8, 2 + dd.shape[2]), np.int64)
     j2 = np.empty((4, j13.shape[1]), np.int64)
     n13, n2, n, tmax, bad, why = _ffn_jobs(dd, np.array(rows, np.int64), 6, d, j13, j2)

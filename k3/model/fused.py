@@ -1002,14 +1002,27 @@ def expert_descriptors(fmt: str, ws) -> np.ndarray:
     return np.array([described(w, describe) for w in ws], np.int64)
 
 
+_ONE_ROWS: dict[int, np.ndarray] = {}
+
+
+def _one_row(G: int) -> np.ndarray:
+    """The rows table [G, 2] of G experts that all read the one token's row (0, 1): the
+    decode step's, made once per G (``_ffn_jobs`` only reads it)."""
+    r = _ONE_ROWS.get(G)
+    if r is None:
+        r = _ONE_ROWS[G] = np.tile(np.array([0, 1], np.int64), (G, 1))
+        r.flags.writeable = False
+    return r
+
+
 def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.ndarray | None = None) -> np.ndarray:
     """A group of routed experts: expert g multiplies rows rows[g] = (x0, x1) of x
     [M, d] (float32) by its gate and up matrices (w1s[g], w3s[g], of one out-size
     ``inter``), the GLU (SiTU-GLU with situ = (beta, linear_beta), else SiLU-GLU), then
     its down matrix w2s[g]. Returns the down outputs flat, row-major [pairs, d] in the
     order of the rows (expert 0's rows first). ``fmt``: "bf16" or "mxfp4", every weight
-    in it. ``descs``: the matrices' descriptors [3, G, ...] (``expert_descriptors`` of
-    w1s, w3s and w2s, stacked) where the caller keeps them per expert.
+    in it. ``descs``: the matrices' descriptors [G, 3, ...] (per expert,
+    ``expert_descriptors`` of its w1, w3 and w2) where the caller keeps them per expert.
 
     Two kernel calls and the GLU between them (``_glu``, as silu_glu / situ_glu). It works
     in place in gate | up and its output (no scratch beside them), gate | up is dropped
@@ -1022,8 +1035,10 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.n
     G = len(w1s)
     if G == 0:
         return np.empty(0, np.float32)
-    d = expert_descriptors(fmt, [*w1s, *w3s, *w2s]).reshape(3, G, -1) if descs is None else descs
-    r = np.array(rows, np.int64).reshape(G, 2)
+    if descs is None:
+        descs = expert_descriptors(fmt, [w for e in zip(w1s, w3s, w2s) for w in e]).reshape(G, 3, -1)
+    d = descs
+    r = _one_row(G) if M == 1 and rows == [(0, 1)] * G else np.array(rows, np.int64).reshape(G, 2)
     jobs13 = np.empty((2 * G, J_ADDR + d.shape[2] - 2), np.int64)
     jobs2 = np.empty((G, jobs13.shape[1]), np.int64)
     n13, n2, n, tmax, bad, why = _ffn_jobs(d, r, M, K, jobs13, jobs2)
@@ -1054,8 +1069,8 @@ def _shape_of(w) -> str:
 @njit(cache=True, nogil=True)
 def _ffn_jobs(d, r, M, K, jobs13, jobs2):
     """expert_ffn's two job tables (J_* columns), as grouped_jobs would make them. d
-    [3, G, ncols]: the descriptors (n, addresses..., in-features) of the gate, up and
-    down matrices; r [G, 2]: each expert's rows of x [M, K]. Gate | up: every gate
+    [G, 3, ncols]: per expert the descriptors (n, addresses..., in-features) of its gate,
+    up and down matrices; r [G, 2]: each expert's rows of x [M, K]. Gate | up: every gate
     product, then every up product; down: the GLU's rows, expert by expert. Returns
     (gate | up jobs, down jobs, pairs, most rows of one expert, the first bad weight
     (3 * G numbering) or -1, why: 0 fine, 1 its shape does not chain, 2 rows outside x)."""
@@ -1070,7 +1085,7 @@ def _ffn_jobs(d, r, M, K, jobs13, jobs2):
         tmax = max(tmax, r[g, 1] - r[g, 0])
     for h in range(3):
         for g in range(G):
-            if d[h, g, 0] != (K if h == 2 else inter) or d[h, g, na] != (inter if h == 2 else K):
+            if d[g, h, 0] != (K if h == 2 else inter) or d[g, h, na] != (inter if h == 2 else K):
                 return 0, 0, 0, 0, h * G + g, 1
     j13 = j2 = 0
     for h in range(2):
@@ -1083,7 +1098,7 @@ def _ffn_jobs(d, r, M, K, jobs13, jobs2):
                 jobs13[j13, J_X1] = x1
                 jobs13[j13, J_OFF] = (h * n + at) * inter
                 for a in range(1, na):
-                    jobs13[j13, J_ADDR + a - 1] = d[h, g, a]
+                    jobs13[j13, J_ADDR + a - 1] = d[g, h, a]
                 j13 += 1
             at += x1 - x0
     at = 0
@@ -1095,7 +1110,7 @@ def _ffn_jobs(d, r, M, K, jobs13, jobs2):
             jobs2[j2, J_X1] = at + c
             jobs2[j2, J_OFF] = at * K
             for a in range(1, na):
-                jobs2[j2, J_ADDR + a - 1] = d[2, g, a]
+                jobs2[j2, J_ADDR + a - 1] = d[g, 2, a]
             j2 += 1
         at += c
     return j13, j2, n, tmax, -1, 0

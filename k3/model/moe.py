@@ -46,13 +46,13 @@ def _expert_kind(ew) -> tuple:
 
 def _group_format(ews) -> tuple[str | None, np.ndarray | None]:
     """(the kernel format every expert of a group shares (with one gate size), else None;
-    then the group's descriptors [3, G, ...] for expert_ffn). Kept per live expert
+    then the group's descriptors [G, 3, ...] for expert_ffn). Kept per live expert
     object (``described``): a cache slot's expert is checked once."""
     kinds = [described(ew, _expert_kind) for ew in ews]
     fmt, rows = kinds[0][:2]
     if fmt is None or any(k[0] != fmt or k[1] != rows for k in kinds):
         return None, None
-    return fmt, np.stack([k[2] for k in kinds], 1)
+    return fmt, np.array([k[2] for k in kinds])
 
 
 def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
