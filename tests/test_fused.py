@@ -685,21 +685,27 @@ def test_moe_mix_equals_the_ops_one_by_one(T, situ, math_form):
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("T", [1, 3])
-def test_kda_step_equals_the_calls_one_by_one(lower_bound, T, threads):
-    """KDA's one-call decode step (decay + exp, recurrence, gated norm) against kda_decay,
-    kda_recurrent_steps and norm_gate one by one, from zero and from a carried state
-    (never written), into a pooled buffer."""
+def test_kda_decode_equals_the_calls_one_by_one(lower_bound, T, threads):
+    """KDA's one-call decode step (convs + SiLU, L2 norms, beta, decay + exp, recurrence,
+    gated norm) against kda_inputs, kda_decay, kda_recurrent_steps and norm_gate one by
+    one, from zero and from carried conv and recurrent states (never written), on the
+    strided column views the grouped projections hand over, into a pooled buffer."""
     g = torch.Generator().manual_seed(T + (0 if lower_bound is None else 9))
-    H, dk, dv = 3, 32, 24
+    H, dk, dv, K = 3, 32, 24, 4
+    wide = _x(g, T, 2 * H * dk + H * dv + H) * 3.0
+    xs = [wide[:, :H * dk], wide[:, H * dk:2 * H * dk], wide[:, 2 * H * dk:2 * H * dk + H * dv]]
+    b = wide[:, 2 * H * dk + H * dv:]
+    ws = [torch.randn(c, 1, K, generator=g) for c in (H * dk, H * dk, H * dv)]
+    ws[1] = ws[1].to(torch.bfloat16)
     u = torch.randn(T, H * dk, generator=g) * 2
     a_log, dtb = torch.randn(H, generator=g) * 0.5, torch.randn(H * dk, generator=g)
-    q = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6) * dk ** -0.5
-    k = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
-    v, beta = torch.randn(T, H, dv, generator=g), torch.rand(T, H, generator=g)
     z, ow = torch.randn(T, H * dv, generator=g) * 3, (1 + 0.1 * torch.randn(dv, generator=g)).to(torch.bfloat16)
-    for S0 in (None, torch.randn(H, dk, dv, generator=g)):
+    for S0, states in ((None, [None] * 3),
+                       (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, x.shape[1], generator=g) for x in xs])):
         keep = None if S0 is None else S0.clone()
-        got = fused.kda_step(u, a_log, dtb, H, lower_bound, q, k, v, beta, S0, torch.empty(H, dk, dv), ow, 1e-5, z)
+        got = fused.kda_decode(xs, ws, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H, lower_bound, S0,
+                               torch.empty(H, dk, dv), ow, 1e-5, z)
+        q, k, v, news, beta = fused.kda_inputs(xs, ws, states, b, H, 1e-6, dk ** -0.5)
         gl, eg = fused.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
         o, S = fused.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
         want = fused.norm_gate(o, ow, 1e-5, z)
@@ -707,6 +713,7 @@ def test_kda_step_equals_the_calls_one_by_one(lower_bound, T, threads):
             assert not fused.USE_VML
             continue
         assert same(got[0], want) and same(got[1], S)
+        assert len(got[2]) == 3 and all(same(a, r) for a, r in zip(got[2], news))
         assert S0 is None or same(S0, keep)
 
 
@@ -798,22 +805,23 @@ def test_all_finite_matches_isfinite():
     assert not fused.all_finite((x * 1e38))  # overflowed to inf
 
 
-@pytest.mark.parametrize("what", ["kda_step", "dots", "dots_causal", "prods", "prods_one_row"])
+@pytest.mark.parametrize("what", ["kda_decode", "dots", "dots_causal", "prods", "prods_one_row"])
 def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
     """Small work runs as a serial twin on the calling thread (``fused._run``): the same
     block code, so the same bits as the parallel kernel."""
     g = torch.Generator().manual_seed(len(what))
     G, M, N, K = 3, 5, 70, 130
     x = torch.randn(G * M, K, generator=g)
-    if what == "kda_step":
+    if what == "kda_decode":
         T, H, dk, dv = 2, 4, 64, 48
         u = torch.randn(T, H * dk, generator=g)
-        q = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
-        k = ops.l2_norm(torch.randn(T, H, dk, generator=g), 1e-6)
-        v, beta, z = torch.randn(T, H, dv, generator=g), torch.rand(T, H, generator=g), torch.randn(T, H * dv, generator=g)
+        xs = [torch.randn(T, c, generator=g) for c in (H * dk, H * dk, H * dv)]
+        ws = [torch.randn(c, 1, 4, generator=g) for c in (H * dk, H * dk, H * dv)]
+        b, z = torch.randn(T, H, generator=g), torch.randn(T, H * dv, generator=g)
         S0, ow = torch.randn(H, dk, dv, generator=g), torch.ones(dv).to(torch.bfloat16)
-        run = lambda: torch.cat([r.reshape(-1) for r in fused.kda_step(  # noqa: E731
-            u, torch.zeros(H), torch.zeros(H * dk), H, -5.0, q, k, v, beta, S0, torch.empty(H, dk, dv), ow, 1e-5, z)])
+        run = lambda: torch.cat([r.reshape(-1) for r in fused.kda_decode(  # noqa: E731
+            xs, ws, [None] * 3, b, 1e-6, 0.125, u, torch.zeros(H), torch.zeros(H * dk), H, -5.0, S0,
+            torch.empty(H, dk, dv), ow, 1e-5, z)[:2]])
     elif what.startswith("dots"):
         w = torch.randn(G * N, K, generator=g).to(torch.bfloat16)
         causal = 3 if what == "dots_causal" else None

@@ -1701,32 +1701,63 @@ def _kda_step1_serial(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, 
     _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
 
 
-def kda_step(u, a_log, dt_bias, n_heads: int, lower_bound: float | None, q, k, v, beta, S0, into,
-             o_norm_w, eps: float, z):
-    """KDA's decode step after its projections, in one compiled call: the decay and its
-    exp (kda_decay with_exp), the recurrence (kda_recurrent_steps), the per-head RMS norm
-    and output gate (norm_gate), each the same compiled code in the same order. Returns
-    (the gated output [T, H * dv], the new state: ``into`` when it can hold it), or None
-    where that one call is not the path here (no fused math, no tokens, a head split
-    that does not divide): the caller then runs those calls one by one. Small steps run
-    serially (``_run``)."""
-    T, HD = u.shape
-    H, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    if not USE_VML or T == 0 or H != n_heads or H * dk != HD:
+@njit(cache=True, nogil=True)
+def _kda_decode1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
+                 un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
+    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
+    T, Hk = beta.shape
+    q3, k3 = q.reshape(T, Hk, -1), k.reshape(T, Hk, -1)
+    _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k3, beta, v.reshape(T, Hk, -1), q3, S, o,
+               ow, eps, z, y, out)
+
+
+@njit(cache=True, nogil=True)
+def _kda_decode1_serial(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
+                        un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
+    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
+    T, Hk = beta.shape
+    q3, k3 = q.reshape(T, Hk, -1), k.reshape(T, Hk, -1)
+    _kda_step1_serial(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k3, beta, v.reshape(T, Hk, -1), q3, S,
+                      o, ow, eps, z, y, out)
+
+
+def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_log, dt_bias, n_heads: int,
+               lower_bound: float | None, S0, into, o_norm_w, eps: float, z):
+    """KDA after its projections, for a pass that is not chunked (decode), in ONE compiled
+    call: ``kda_inputs`` (the convs + SiLU of q, k, v from xs with their states, q and k
+    L2-normed per head with q's scale, beta = sigmoid(b)), then the decay and its exp
+    (kda_decay with_exp, from the gate u), the recurrence (kda_recurrent_steps: S0
+    [H, dk, dv] is never written) and the per-head RMS norm and output gate
+    (norm_gate), each the same compiled code in the same order; q, k, v and beta never
+    leave the call. Returns (the gated output [T, H * dv], the new state: ``into`` when
+    that is a contiguous fp32 buffer of its shape other than S0, [the new conv states]),
+    or None where that call is not the path (no fused math, no tokens, a head split
+    that does not divide): the caller then runs those steps one by one. Small passes
+    run serially (``_run``)."""
+    T = xs[0].shape[0]
+    cs = [x.shape[1] for x in xs]
+    H = n_heads
+    if (not USE_VML or T == 0 or len(xs) != 3 or cs[0] % H or cs[1] != cs[0] or cs[2] % H
+            or u.shape[1] != cs[0] or b.shape[-1] != H):
         return None
-    args = _decay_args(u, a_log, dt_bias, n_heads, lower_bound)
-    eg = np.empty(T * HD, np.float32)
-    S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
-    into = _state_into(into, S0, (H, dk, dv))
-    o = np.empty((T, H, dv), np.float32)
+    dk, dv = cs[0] // H, cs[2] // H
     zn = _flat(z)
     if zn.size != T * H * dv:
-        raise ValueError(f"kda_step: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
+        raise ValueError(f"kda_decode: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
+    xn, wn, sn, news, acc = _conv_args(xs, conv_ws, conv_states)
+    q = np.empty((T * H, dk), np.float32)
+    k = np.empty((T * H, dk), np.float32)
+    v = np.empty((T, cs[2]), np.float32)
+    beta = np.empty((T, H), np.float32)
+    args = _decay_args(u, a_log, dt_bias, H, lower_bound)
+    S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
+    into = _state_into(into, S0, (H, dk, dv))
     out = np.empty(zn.size, np.float32)
-    _run(_kda_step1, _kda_step1_serial, T * H * dk * dv, *args, eg, S0n, _array(k), _array(beta), _array(v),
-         _array(q), into.numpy(), o, described(o_norm_w, _gain_array), float(eps), zn,
-         np.empty((T * H, dv), np.float32), out)
-    return torch.from_numpy(out.reshape(z.shape)), into
+    _run(_kda_decode1, _kda_decode1_serial, T * H * dk * dv, *xn, *wn, *sn, acc, np.empty_like(acc), *news,
+         float(l2_eps), described(scale_gain(dk, q_scale), _gain_array), q, k, v, _array(b).reshape(T, H), beta,
+         *args, np.empty(T * H * dk, np.float32), S0n, into.numpy(), np.empty((T, H, dv), np.float32),
+         described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
+    return torch.from_numpy(out.reshape(z.shape)), into, [torch.from_numpy(n) for n in news]
 
 
 def warm() -> None:
@@ -1746,12 +1777,13 @@ def warm() -> None:
         prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
     dk, dv = 8, 8
     u, z = torch.zeros(1, H * dk), torch.zeros(1, H * dv)
-    q = k = torch.zeros(1, H, dk)
+    xs, ws = [u, u, z], [torch.zeros(H * dk, 1, 4)] * 2 + [torch.zeros(H * dv, 1, 4)]
     for ow in (torch.ones(dv), torch.ones(dv, dtype=torch.bfloat16)):
         for lb in (None, -5.0):
             for S0 in (None, torch.zeros(H, dk, dv)):
-                kda_step(u, torch.zeros(H), torch.zeros(H * dk), H, lb, q, k, torch.zeros(1, H, dv),
-                         torch.zeros(1, H), S0, torch.empty(H, dk, dv), ow, 1e-6, z)
+                states = [None] * 3 if S0 is None else [torch.zeros(3, x.shape[1]) for x in xs]
+                kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk), H,
+                           lb, S0, torch.empty(H, dk, dv), ow, 1e-6, z)
 
 
 def _exp_vector(a: torch.Tensor) -> np.ndarray:

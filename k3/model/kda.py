@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_decay as fused_kda_decay, kda_inputs, kda_recurrent_steps, kda_step, norm_gate
+from .fused import kda_decay as fused_kda_decay, kda_decode, kda_inputs, kda_recurrent_steps, norm_gate
 from .ops import grouped_linear, linear, linears
 
 CHUNK = 16
@@ -198,10 +198,6 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
     q_in, k_in, v_in, f_a, b, z = linears(x, [w[f"self_attn.{n}.weight"] for n in (
         "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]])
-    # convs + SiLU, q and k L2-normed per head (q scaled), beta = sigmoid(b): one call
-    q, k, v, (st.conv_q, st.conv_k, st.conv_v), beta = kda_inputs(
-        [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v],
-        b, H, KDA_L2_EPS, D ** -0.5)
     f_b = w["self_attn.f_b_proj.weight"]
     if cfg.kda_full_rank_gate:
         u = linear(f_a, f_b)
@@ -218,13 +214,19 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     if st.record is not None:  # a pass that may be rolled back (speculative verification)
         chunked = False
     a_log, dt_bias = w["self_attn.A_log"], w["self_attn.dt_bias"]
-    if not chunked and st.record is None:  # decode: decay, recurrence, gated norm in one call
-        step = kda_step(u, a_log, dt_bias, H, cfg.gate_lower_bound, q, k, v, beta, st.S,
-                        _pool_take((H, k.shape[-1], v.shape[-1])), w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)
+    xs, conv_ws = [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"]
+    if not chunked and st.record is None:  # decode: inputs, decay, recurrence, gated norm in one call
+        dv = v_in.shape[1] // H
+        step = kda_decode(xs, conv_ws, [st.conv_q, st.conv_k, st.conv_v], b, KDA_L2_EPS, D ** -0.5, u, a_log,
+                          dt_bias, H, cfg.gate_lower_bound, st.S, _pool_take((H, q_in.shape[1] // H, dv)),
+                          w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)
         if step is not None:
-            o, S = step
+            o, S, (st.conv_q, st.conv_k, st.conv_v) = step
             st.advance(S)
             return linear(o, w["self_attn.o_proj.weight"])
+    # convs + SiLU, q and k L2-normed per head (q scaled), beta = sigmoid(b): one call
+    q, k, v, (st.conv_q, st.conv_k, st.conv_v), beta = kda_inputs(
+        xs, conv_ws, [st.conv_q, st.conv_k, st.conv_v], b, H, KDA_L2_EPS, D ** -0.5)
     if chunked:
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
     else:  # the recurrent form also takes exp(g), made in the decay's own call
