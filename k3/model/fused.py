@@ -1007,11 +1007,11 @@ _ONE_ROWS: dict[int, np.ndarray] = {}
 
 def _one_row(G: int) -> np.ndarray:
     """The rows table [G, 2] of G experts that all read the one token's row (0, 1): the
-    decode step's, made once per G (``_ffn_jobs`` only reads it)."""
+    decode step's, made once per G (``_ffn_jobs`` only reads it; left writeable, since a
+    read-only array is another numba type: a compile in the first decode step)."""
     r = _ONE_ROWS.get(G)
     if r is None:
         r = _ONE_ROWS[G] = np.tile(np.array([0, 1], np.int64), (G, 1))
-        r.flags.writeable = False
     return r
 
 
