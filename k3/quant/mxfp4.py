@@ -373,7 +373,8 @@ def _row_scales(scale, r, sf):
         sf[i] = _scale_f32(scale[r, i])
 
 
-#: the one-token rows make their scale factors first (``_dot_mxfp4_sf``): AVX-512 only
+#: rows read by one to _NTF tokens make their scale factors first (``_dot_mxfp4_sf``,
+#: ``_vdotn_sf``): AVX-512 only
 _ROW_SF = _ISA == "avx512"
 
 
@@ -597,7 +598,7 @@ def make_vdotn_w(max_nt):
     return intrinsic(typer)
 
 
-def make_vdotn_mxfp4(max_nt):
+def make_vdotn_mxfp4(max_nt, sf=False):
     """An intrinsic for a few tokens sharing each decoded step of one row::
 
         vdotn(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
@@ -608,59 +609,80 @@ def make_vdotn_mxfp4(max_nt):
     canonical order). ``mode`` bit 0: the lanes start at +0.0; bit 1: finish,
     out[obase + t * ostride] = the halving tree of acc[a0 + t]. For T = 2 .. max_nt the
     decode (more work per byte than the multiply-adds of two tokens) is paid once per
-    call instead of once per token, and no decoded copy goes through memory."""
-    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
-        if not (c_matrix(acc, F32_ONLY) and c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY)
-                and sc == pk and _f32_array(out)):
-            return None
-        if not all(isinstance(t, types.Integer) for t in (nt, a0, xr, r, j0, n, mode, obase, ostride)):
-            return None
-        sig = types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
+    call instead of once per token, and no decoded copy goes through memory.
 
-        def codegen(context, builder, sig, args):
-            I64 = ir.IntType(64)
-            F32 = ir.FloatType()
-            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
-                  for a, t in zip(args, sig.args)]
+    ``sf``: ``sc`` is instead a float32 [rows, groups] array of scale factors made
+    beforehand (``_row_scales``) and its row ``r`` is read (AVX-512's permute decode with
+    each group's table one multiply by a broadcast load); the packed row is pk[r + sr]
+    for one more integer argument ``sr`` after ``r``."""
+    def codegen(context, builder, sig, args):
+        I64 = ir.IntType(64)
+        F32 = ir.FloatType()
+        iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+              for a, t in zip(args, sig.args)]
+        if sf:
+            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, sr, j0, n, mode, out_v, obase, ostride = iv
+        else:
             nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, j0, n, mode, out_v, obase, ostride = iv
-            at, xt, pt = sig.args[1], sig.args[3], sig.args[6]
-            first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
-            finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
-            outp = _data_ptr(context, builder, sig.args[12], out_v)
+        at, xt, pt = sig.args[1], sig.args[3], sig.args[6]
+        first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
+        finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
+        outp = _data_ptr(context, builder, sig.args[-3], out_v)
+        if sf:
+            pp = _row_ptr(context, builder, pt, pk_v, builder.add(r, sr), builder.mul(j0, I64(LANES)))
+            sfp = _row_ptr(context, builder, sig.args[7], sc_v, r, builder.mul(j0, I64(_GPJ)))
+            sp = None
+        else:
             pp = _row_ptr(context, builder, pt, pk_v, r, builder.mul(j0, I64(LANES)))
             sp = _row_ptr(context, builder, pt, sc_v, r, builder.mul(j0, I64(_GPJ)))
-            z = ir.Constant(ir.VectorType(F32, LANES), [0.0] * LANES)
-            def emit(n_t):
-                e0 = builder.mul(j0, I64(LANES))
-                accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
-                xep = [_row_ptr(context, builder, xt, xe_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
-                xop = [_row_ptr(context, builder, xt, xo_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
-                init = [builder.select(first, z, _vload(builder, p, I64(0), F32, LANES)) for p in accp]
+            sfp = None
+        z = ir.Constant(ir.VectorType(F32, LANES), [0.0] * LANES)
+        def emit(n_t):
+            e0 = builder.mul(j0, I64(LANES))
+            accp = [_row_ptr(context, builder, at, acc_v, builder.add(a0, I64(t)), I64(0)) for t in range(n_t)]
+            xep = [_row_ptr(context, builder, xt, xe_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+            xop = [_row_ptr(context, builder, xt, xo_v, builder.add(xr, I64(t)), e0) for t in range(n_t)]
+            init = [builder.select(first, z, _vload(builder, p, I64(0), F32, LANES)) for p in accp]
 
-                def body(j, acc, xep=xep, xop=xop):
-                    off = builder.mul(j, I64(LANES))
-                    _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
-                    we, wo = _decode_step_ir(builder, pp, sp, j)
-                    return [_vfma(builder, _vload(builder, xo_p, off, F32, LANES), wo,
-                                  _vfma(builder, _vload(builder, xe_p, off, F32, LANES), we, a))
-                            for a, xe_p, xo_p in zip(acc, xep, xop)]
+            def body(j, acc, xep=xep, xop=xop):
+                off = builder.mul(j, I64(LANES))
+                _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
+                we, wo = _decode_step_ir(builder, pp, sp, j) if sfp is None else \
+                    _decode_step_perm_ir(builder, pp, None, j, sfp)
+                return [_vfma(builder, _vload(builder, xo_p, off, F32, LANES), wo,
+                              _vfma(builder, _vload(builder, xe_p, off, F32, LANES), we, a))
+                        for a, xe_p, xo_p in zip(acc, xep, xop)]
 
-                fins = counted_loop(builder, n, init, body, f"vdotn{n_t}")
-                with builder.if_else(finish) as (then, other):
-                    with then:
-                        for t, f in enumerate(fins):
-                            o = builder.add(obase, builder.mul(I64(t), ostride))
-                            builder.store(tree_sum_ir(builder, f), builder.gep(outp, [o], inbounds=True))
-                    with other:
-                        for p, f in zip(accp, fins):
-                            _vstore(builder, f, p, I64(0))
+            fins = counted_loop(builder, n, init, body, f"vdotn{n_t}")
+            with builder.if_else(finish) as (then, other):
+                with then:
+                    for t, f in enumerate(fins):
+                        o = builder.add(obase, builder.mul(I64(t), ostride))
+                        builder.store(tree_sum_ir(builder, f), builder.gep(outp, [o], inbounds=True))
+                with other:
+                    for p, f in zip(accp, fins):
+                        _vstore(builder, f, p, I64(0))
 
-            for_each_nt(builder, nt_v, max_nt, "vdotn", emit)
-            return context.get_dummy_value()
+        for_each_nt(builder, nt_v, max_nt, "vdotn", emit)
+        return context.get_dummy_value()
 
-        return sig, codegen
+    def check(nt, acc, a0, xe, xo, xr, pk, sc, ints, out):
+        ok_sc = c_matrix(sc, F32_ONLY) if sf else sc == pk
+        return (c_matrix(acc, F32_ONLY) and c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY)
+                and ok_sc and _f32_array(out) and all(isinstance(t, types.Integer) for t in ints))
 
-    typer.__name__ = f"vdotn{max_nt}_mxfp4"
+    if sf:
+        def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, sr, j0, n, mode, out, obase, ostride):
+            if not check(nt, acc, a0, xe, xo, xr, pk, sc, (nt, a0, xr, r, sr, j0, n, mode, obase, ostride), out):
+                return None
+            return types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, sr, j0, n, mode, out, obase, ostride), codegen
+    else:
+        def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
+            if not check(nt, acc, a0, xe, xo, xr, pk, sc, (nt, a0, xr, r, j0, n, mode, obase, ostride), out):
+                return None
+            return types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride), codegen
+
+    typer.__name__ = f"vdotn{max_nt}_mxfp4" + ("_sf" if sf else "")
     return intrinsic(typer)
 
 
@@ -695,6 +717,7 @@ _tile2_1 = make_tile(_NT2, 1, 2, "f32", _V)       # a block's last rows
 #: jobs of up to this many tokens decode each step in registers once for all of them
 _NTF = 4
 _vdotn = make_vdotn_mxfp4(_NTF)
+_vdotn_sf = make_vdotn_mxfp4(_NTF, sf=True)
 _vdotn_w = make_vdotn_w(_NTF)
 
 
@@ -866,6 +889,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     we_all = np.empty((nth, rb, P), np.float32)
     wo_all = np.empty((nth, rb, P), np.float32)
     acc_all = np.empty((nth, rb * max(_NT2, _NTF), LANES), np.float32)
+    sf_all = np.empty((nth, rb if _ROW_SF else 0, P // 16), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         R = jobs[g, J_N]
@@ -885,11 +909,18 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         if T <= _NTF:                                     # a few tokens: decode in registers
             for r in range(nrb):                          # 1: this row by the AVX2 decode
                 wok[tid, r] = 1 if _W16 and pm == P and _row_bad(scale, r0 + r) == 0 else 0
+            sfb = sf_all[tid]
+            if _ROW_SF:                                   # AVX-512: the rows' scale factors first
+                for r in range(nrb):
+                    _row_scales(scale, r0 + r, sfb[r])
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
                 for r in range(nrb):
-                    if wok[tid, r]:
+                    if _ROW_SF:
+                        _vdotn_sf(T, acc, r * _NTF, xe, xo, x0, packed, sfb, r, r0, c0, n, mode, out,
+                                  off + r0 + r, R)
+                    elif wok[tid, r]:
                         _vdotn_w(T, acc, r * _NTF, xep, xop, x0, packed, scale, r0 + r, c0, n, mode, out,
                                  off + r0 + r, R)
                     else:
