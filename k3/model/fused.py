@@ -1685,40 +1685,32 @@ def _decay_args(u, a_log, dt_bias, n_heads: int, lower_bound: float | None) -> t
 
 
 @njit(cache=True, nogil=True)
-def _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y, out):
+def _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
+                   un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg):
+    """kda_decode's steps before the recurrence (the inputs, the decay and its exp);
+    returns q, k, v and exp(g) as [T, H, d]."""
+    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
     _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
-    T, Hk, dk = k.shape
-    _kda_recurrent(S0, eg.reshape(T, Hk, dk), k, beta, v, q, S, o)
-    _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
-
-
-@njit(cache=True, nogil=True)
-def _kda_step1_serial(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k, beta, v, q, S, o, ow, eps, z, y,
-                      out):
-    _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
-    T, Hk, dk = k.shape
-    _kda_recurrent_serial(S0, eg.reshape(T, Hk, dk), k, beta, v, q, S, o)
-    _norm_gate1(o.reshape(T * Hk, o.shape[2]), eps, ow, z, y, out)
+    T, Hk = beta.shape
+    return q.reshape(T, Hk, -1), k.reshape(T, Hk, -1), v.reshape(T, Hk, -1), eg.reshape(T, Hk, -1)
 
 
 @njit(cache=True, nogil=True)
 def _kda_decode1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
                  un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
-    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
-    T, Hk = beta.shape
-    q3, k3 = q.reshape(T, Hk, -1), k.reshape(T, Hk, -1)
-    _kda_step1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k3, beta, v.reshape(T, Hk, -1), q3, S, o,
-               ow, eps, z, y, out)
+    q3, k3, v3, e3 = _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v,
+                                    b, beta, un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
+    _kda_recurrent(S0, e3, k3, beta, v3, q3, S, o)
+    _norm_gate1(o.reshape(-1, o.shape[2]), eps, ow, z, y, out)
 
 
 @njit(cache=True, nogil=True)
 def _kda_decode1_serial(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
                         un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
-    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
-    T, Hk = beta.shape
-    q3, k3 = q.reshape(T, Hk, -1), k.reshape(T, Hk, -1)
-    _kda_step1_serial(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, k3, beta, v.reshape(T, Hk, -1), q3, S,
-                      o, ow, eps, z, y, out)
+    q3, k3, v3, e3 = _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v,
+                                    b, beta, un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
+    _kda_recurrent_serial(S0, e3, k3, beta, v3, q3, S, o)
+    _norm_gate1(o.reshape(-1, o.shape[2]), eps, ow, z, y, out)
 
 
 def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_log, dt_bias, n_heads: int,

@@ -317,51 +317,35 @@ def _row_args(xe, xo, xr, pk, sc, r, nj):
 
 
 def _row_ptrs(context, builder, sig, args):
-    """(xe, xo, packed, scale pointers at their rows, nj as i64) for ``_row_args``."""
+    """(xe, xo, packed, scale pointers at their rows, nj as i64) for ``_row_args``; a 1-D
+    scale argument (one row's scale factors) is pointed at as it is."""
     i64 = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 5, 6)]
     xr, r, n = i64
     zero = ir.IntType(64)(0)
+    sp = _data_ptr(context, builder, sig.args[4], args[4]) if sig.args[4].ndim == 1 else \
+        _row_ptr(context, builder, sig.args[4], args[4], r, zero)
     return (_row_ptr(context, builder, sig.args[0], args[0], xr, zero),
             _row_ptr(context, builder, sig.args[1], args[1], xr, zero),
-            _row_ptr(context, builder, sig.args[3], args[3], r, zero),
-            _row_ptr(context, builder, sig.args[4], args[4], r, zero), n)
+            _row_ptr(context, builder, sig.args[3], args[3], r, zero), sp, n)
 
 
 @intrinsic
 def _dot_mxfp4(typingctx, xe, xo, xr, pk, sc, r, nj):
     """x[xr] . W[r] for one row of 64 * nj bytes (no tail), the whole canonical order in
     registers: lanes from +0.0, the fused decode + 2 fma per step, the halving tree.
-    The same bits as ``_zero`` + ``_vdot_mxfp4`` + ``_tree_sum``."""
-    if not _row_args(xe, xo, xr, pk, sc, r, nj):
+    The same bits as ``_zero`` + ``_vdot_mxfp4`` + ``_tree_sum``. ``sc``: the scale
+    bytes (2-D, row r read), or on AVX-512 row r's scale factors already made (float32
+    1-D, ``_row_scales``): the same bits."""
+    factors = _ROW_SF and _f32_array(sc)
+    if not _row_args(xe, xo, xr, pk, pk if factors else sc, r, nj):
         return None
     sig = types.float32(xe, xo, xr, pk, sc, r, nj)
 
     def codegen(context, builder, sig, args):
         xep, xop, pp, sp, n = _row_ptrs(context, builder, sig, args)
+        sp, sfp = (None, sp) if factors else (sp, None)
         zero = ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
-        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx"))
-
-    return sig, codegen
-
-
-@intrinsic
-def _dot_mxfp4_sf(typingctx, xe, xo, xr, pk, sf, r, nj):
-    """``_dot_mxfp4`` on AVX-512 with row r's scale factors already made: sf float32
-    [>= 4 nj] (``_row_scales``). The same bits."""
-    if not (c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY) and _f32_array(sf)
-            and all(isinstance(t, types.Integer) for t in (xr, r, nj))):
-        return None
-    sig = types.float32(xe, xo, xr, pk, sf, r, nj)
-
-    def codegen(context, builder, sig, args):
-        xr_, r_, n = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 5, 6))
-        zero = ir.IntType(64)(0)
-        xep = _row_ptr(context, builder, sig.args[0], args[0], xr_, zero)
-        xop = _row_ptr(context, builder, sig.args[1], args[1], xr_, zero)
-        pp = _row_ptr(context, builder, sig.args[3], args[3], r_, zero)
-        sfp = _data_ptr(context, builder, sig.args[4], args[4])
-        z = ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
-        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, None, n, z, "dmxs", sfp))
+        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx", sfp))
 
     return sig, codegen
 
@@ -373,8 +357,8 @@ def _row_scales(scale, r, sf):
         sf[i] = _scale_f32(scale[r, i])
 
 
-#: rows read by one to _NTF tokens make their scale factors first (``_dot_mxfp4_sf``,
-#: ``_vdotn_sf``): AVX-512 only
+#: rows read by one to _NTF tokens make their scale factors first (``_row_scales``, then
+#: ``_dot_mxfp4`` or ``_vdotn_sf`` on them): AVX-512 only
 _ROW_SF = _ISA == "avx512"
 
 
@@ -802,7 +786,7 @@ def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
         sf = np.empty(scale.shape[1], np.float32)
         for r in range(r0, r1):
             _row_scales(scale, r, sf)
-            out[off + r] = _dot_mxfp4_sf(xe, xo, x0, packed, sf, r, nj)
+            out[off + r] = _dot_mxfp4(xe, xo, x0, packed, sf, r, nj)
         return
     if pm == P:                                       # no tail: the whole row in registers
         for r in range(r0, r1):
