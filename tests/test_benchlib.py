@@ -1,0 +1,33 @@
+"""The benchmarks' TSV writer: results files stay readable as their columns grow."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from benchlib import Tsv  # noqa: E402
+
+
+def _rows(path):
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def test_tsv_grows_its_header_when_columns_are_added_at_the_end(tmp_path):
+    p = tmp_path / "r.tsv"
+    Tsv(p, ["a", "b"]).add(a=1, b=2)
+    t = Tsv(p, ["a", "b", "c"])
+    t.add(a=3, b=4, c=5)
+    rows = _rows(p)
+    assert rows[0] == ["run", "a", "b", "c"]
+    assert rows[1][1:] == ["1", "2"] and rows[2][1:] == ["3", "4", "5"]
+    assert not (tmp_path / "r.tsv.tmp").exists()
+
+
+def test_tsv_refuses_columns_that_do_not_extend_the_file(tmp_path):
+    p = tmp_path / "r.tsv"
+    Tsv(p, ["a", "b"]).add(a=1, b=2)
+    before = p.read_text()
+    with pytest.raises(SystemExit, match="not these"):
+        Tsv(p, ["a", "c"])
+    assert p.read_text() == before
