@@ -66,7 +66,7 @@ def _emulate_canonical(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("T,N,K", [(1, 5, 200), (3, 5, 200), (4, 3, 64 * 5 + 33),
-                                   (1, 9, 2304), (1, 9, 4096)])  # T = 1: one row, four rows at a time
+                                   (1, 9, 2304), (1, 9, 4096), (1, 21, 4096)])  # T = 1: one row, many at a time
 def test_canonical_order_bit_exact(T, N, K):
     x, w = _case(11 + T + K, T, N, K)
     y = bf16_linear(x, w)
@@ -123,7 +123,7 @@ def test_small_calls_leave_the_thread_count_as_it_was(serial_small, monkeypatch)
 def test_one_token_kernels_give_the_general_kernels_bits(K, monkeypatch):
     """Decode's compact one-token kernels (parallel, and serial below a work limit) give
     the bits of the general kernel's one-token path (which a table holding a job of more
-    tokens goes to): whole steps, four rows at a time, tails."""
+    tokens goes to): whole steps, several rows at a time, tails."""
     from k3.quant import bf16 as B
     from k3.quant import bf16_grouped
     x, w = _case(K, 2, 70, K)

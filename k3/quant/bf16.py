@@ -32,7 +32,7 @@ Kernels are numba ``@njit(parallel=True, cache=True, nogil=True)`` functions wit
 exactly one thread.
 
 * T = 1 (decode): each weight row is streamed once, its 64 lanes in registers (memory
-  bound); four rows at a time where the rows are long (``_T1_FOUR_K``; not on the
+  bound); several rows at a time where the rows are long (``_T1_MANY_K``; not on the
   generic path).
 * T > 1 (batches, speculative checks, prefill): register tiles of ``_NT`` tokens x
   ``_NR`` rows (``make_tile``). The 64 lanes are 64 independent sums, so a tile works
@@ -524,15 +524,19 @@ def make_dotn_bf16(nr: int):
 
 
 _dot_bf16 = make_dotn_bf16(1)
-_dot4_bf16 = make_dotn_bf16(4)
-#: T = 1 streams four rows at once (four streams in flight keep the memory busier) when
-#: K is at least this, on AVX-512 and AVX2 alike; never on the generic path. Short rows
-#: go one at a time: on AVX2 one row's 64 lanes already take 8 of its 16 registers and
-#: four rows spill accumulators every step (on Zen 3 one row at a time was faster for
-#: K <= 2304, four for K >= 4096); on AVX-512 (Zen 4) four short rows (four streams of
-#: 1.5 KB each, too short for the hardware prefetcher) streamed cold [N, 768] at 14-17
-#: GB/s, one at a time at 26-29 (docs/PERFORMANCE.md)
-_T1_FOUR_K = {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
+#: T = 1 streams several rows at once when K is at least _T1_MANY_K (more streams in
+#: flight keep the memory busier, and each activation load serves more rows), on AVX-512
+#: and AVX2 alike; never on the generic path. Short rows go one at a time: on AVX2 one
+#: row's 64 lanes already take 8 of its 16 registers and four rows spill accumulators
+#: every step (on Zen 3 one row at a time was faster for K <= 2304, four for K >= 4096);
+#: on AVX-512 (Zen 4) four short rows (four streams of 1.5 KB each, too short for the
+#: hardware prefetcher) streamed cold [N, 768] at 14-17 GB/s, one at a time at 26-29.
+#: AVX-512 takes eight rows (32 accumulators: a few spill to L1, which costs less than
+#: the activation lines each step re-reads from L2 for every four rows); AVX2 four.
+#: Measured in docs/PERFORMANCE.md.
+_T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
+_dotn_bf16 = make_dotn_bf16(_T1_NR)
+_T1_MANY_K = {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
 @intrinsic
@@ -639,13 +643,11 @@ def _t1_rows(x, x0, w, out, off, r0, r1):
     km = nj * LANES
     if km == K:                                       # no tail: the whole row in registers
         n = r0
-        while K >= _T1_FOUR_K and n + 3 < r1:         # four rows at a time: four streams in flight
-            y0, y1, y2, y3 = _dot4_bf16(x, x0, w, n, nj)
-            out[off + n] = y0
-            out[off + n + 1] = y1
-            out[off + n + 2] = y2
-            out[off + n + 3] = y3
-            n += 4
+        while K >= _T1_MANY_K and n + _T1_NR <= r1:   # _T1_NR rows at a time, _T1_NR streams
+            ys = _dotn_bf16(x, x0, w, n, nj)
+            for i in range(_T1_NR):
+                out[off + n + i] = ys[i]
+            n += _T1_NR
         while n < r1:
             out[off + n] = _dot_bf16(x, x0, w, n, nj)
             n += 1
