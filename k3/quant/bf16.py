@@ -42,9 +42,10 @@ exactly one thread.
   of two bf16 gives the even element by a shift and the odd one by a mask, so the
   tiles hold even and odd elements in separate registers: the activations are copied
   once per call into that lane order (``pair_split_x``) and the lanes put back in
-  canonical order before the tree. One token tile sweeps the whole of K in chunks of
-  ``_KC`` (its activation chunk stays in L1, its accumulators in L1 between chunks);
-  the last chunk trees the lanes straight into the output.
+  canonical order before the tree. Up to ``_ST`` tokens sweep K together in chunks of
+  ``_KC``: each chunk of a row block's weights (in L2) serves every token tile in turn
+  (each tile's activation chunk in L1, its accumulators in L2 between chunks); the last
+  chunk trees the lanes straight into the output.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ LANES = 64
 _RB1 = 32    # rows per prange iteration, T = 1
 _RB = 24     # weight rows per block (one prange iteration), T > 1 (a multiple of every _NR)
 _KC = 2048   # K-chunk (elements, multiple of LANES) of the T > 1 tiles
+_ST = 16     # tokens whose tiles take each K-chunk of a row block in turn, T > 1 (a multiple of every _NT)
 
 
 # =========================================================================== SIMD blocks
@@ -702,16 +704,17 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
     canonical order.
 
     A job with one token streams each weight row once (memory bound). A job with more
-    sweeps K in chunks; per chunk, each tile of _NT tokens (whose activation chunk stays
-    in L1) runs over the block's rows _NR at a time, the bf16 weights widened in
-    registers; the accumulator lanes persist across chunks, so the order is the same."""
+    takes its tokens _ST at a time and sweeps K in chunks; per chunk, each tile of _NT
+    of those tokens (whose activation chunk stays in L1) runs over the block's rows _NR
+    at a time, the bf16 weights widened in registers (the chunk's weights stay in L2 for
+    the next tile); the accumulator lanes persist across chunks, so the order is the same."""
     K = x.shape[1]
     nj = K // LANES
     km = nj * LANES
     starts = job_blocks(jobs, rb1, rb)
     # per-thread scratch, allocated once per call (nth = numba threads of the caller;
     # numba.get_num_threads() inside a cached function would defeat the cache)
-    acc_all = np.empty((nth, rb * _NT, LANES), np.float32)
+    acc_all = np.empty((nth, rb * _ST, LANES), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         N = jobs[g, J_N]
@@ -725,34 +728,38 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(N, r0 + rb) - r0
-        acc = acc_all[tid]                                # token t, row r of a tile at r * _NT + t
-        for t0 in range(0, T, _NT):                       # one token tile over all of K: its
-            nt = min(_NT, T - t0)                         # accumulators stay in L1
-            xt = x0 + t0
-            ob = off + t0 * N + r0
-            if km == 0:
+        acc = acc_all[tid]                                # token t, row r of a super tile at r * _ST + t
+        for T0 in range(0, T, _ST):                       # super tiles of _ST tokens: each chunk
+            ntt = min(_ST, T - T0)                        # of the block's weights serves all their
+            if km == 0:                                   # token tiles while it is in L2
                 for r in range(nrb):
-                    for t in range(nt):
-                        _zero(acc[r * _NT + t])
+                    for t in range(ntt):
+                        _zero(acc[r * _ST + t])
             for c0 in range(0, km, kc):
                 njc = (min(km, c0 + kc) - c0) // LANES
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + kc >= km and km == K else 0)
-                r = 0
-                while r < nrb:
-                    if r + _NR <= nrb:
-                        _tile_eo(nt, acc, r * _NT, _NT, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
-                        r += _NR
-                    else:
-                        _tile1_eo(nt, acc, r * _NT, _NT, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
-                        r += 1
+                for t0 in range(T0, T0 + ntt, _NT):       # a token tile: its activation chunk in L1
+                    nt = min(_NT, T0 + ntt - t0)
+                    xt = x0 + t0
+                    ob = off + t0 * N + r0
+                    a0 = t0 - T0
+                    r = 0
+                    while r < nrb:
+                        if r + _NR <= nrb:
+                            _tile_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
+                            r += _NR
+                        else:
+                            _tile1_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
+                            r += 1
             if km < K:                                    # the tail, then the tree
-                for t in range(nt):
+                for t in range(ntt):
+                    xt = x0 + T0 + t
                     for r in range(nrb):
-                        a = acc[r * _NT + t]
+                        a = acc[r * _ST + t]
                         _unpermute(a)
                         for i in range(K - km):
-                            a[i] = _fma(x[xt + t, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
-                        out[ob + t * N + r] = _tree_sum(a)
+                            a[i] = _fma(x[xt, km + i], _bf16_to_f32(w[r0 + r, km + i]), a[i])
+                        out[off + (T0 + t) * N + r0 + r] = _tree_sum(a)
 
 
 # =========================================================================== wrappers
