@@ -384,7 +384,7 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
                         if eo:   # [r][half]: even elements by shift, odd by mask
                             wv = []
                             for row in wp:
-                                if pf and gi == 0:   # the weight's next chunk: its two lines of each step
+                                if pf and gi == 0:   # pf elements ahead in the row: both lines of a step
                                     for h in (0, LANES // 2):
                                         _prefetch(builder, builder.gep(row[0], [builder.add(off, _I64(pf + h))]))
                                 p = builder.bitcast(builder.gep(row[0], [off], inbounds=True), vi32.as_pointer())
@@ -479,8 +479,12 @@ _ISA = kernel_isa()
 _NT, _NR = {"avx512": (4, 3), "avx2": (2, 2), "generic": (2, 1)}[_ISA]
 _V = VECTOR_LANES[_ISA]
 PAIR_SPLIT = pair_split(_V)
-_tile_eo = make_tile(_NT, _NR, 1, "bf16eo", _V, pf=_KC)
-_tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_KC)     # a block's last rows
+#: how far ahead (elements) the T > 1 tiles prefetch the weight rows they read: on AVX-512
+#: (Zen 4) a short distance in the same row beat prefetching the next K-chunk (whose first
+#: chunk then had none) by 4-16 % at T = 4 (docs/PERFORMANCE.md); AVX2 keeps the chunk
+_TILE_PF = {"avx512": 256}.get(_ISA, _KC)
+_tile_eo = make_tile(_NT, _NR, 1, "bf16eo", _V, pf=_TILE_PF)
+_tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_TILE_PF)     # a block's last rows
 _unpermute = make_unpermute(PAIR_SPLIT)
 
 
