@@ -360,6 +360,7 @@ def _row_scales(scale, r, sf):
 #: rows read by one to _NTF tokens make their scale factors first (``_row_scales``, then
 #: ``_dot_mxfp4`` or ``_vdotn_sf`` on them): AVX-512 only
 _ROW_SF = _ISA == "avx512"
+_SF_ROWS = 1 if _ROW_SF else 0   # rows of the one-token scale-factor scratch
 
 
 # ---- T = 1 on AVX2: the decode as bf16 words, the scale as an exponent subtraction
@@ -773,17 +774,18 @@ def _split_x(x, jobs):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
+def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1, sfs):
     """out[off + r] = x[x0] . W[r] for rows r0 <= r < r1 of one token: each row decoded
     in registers and consumed at once (the packed bytes read exactly once; on AVX2 by
     ``_dot_mxfp4_w`` from x in the W_PERM order, xep / xop, unless a scale of the row
     needs the byte-lane decode), in the canonical order: the T = 1 work of every
-    kernel here."""
+    kernel here. sfs: float32 [>= 1, P / 16] scratch for a row's scale factors (AVX-512;
+    the caller's, so that no block allocates one; [0, ...] elsewhere)."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
     if pm == P and _ROW_SF:                           # AVX-512: the row's scale factors, then the row
-        sf = np.empty(scale.shape[1], np.float32)
+        sf = sfs[0]
         for r in range(r0, r1):
             _row_scales(scale, r, sf)
             out[off + r] = _dot_mxfp4(xe, xo, x0, packed, sf, r, nj)
@@ -814,7 +816,7 @@ def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1):
+def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1, sfs):
     """Row block b (``job_blocks``) of a job table whose jobs all have one token."""
     P = xe.shape[1]
     g = np.searchsorted(starts, b, side="right") - 1
@@ -822,7 +824,7 @@ def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1):
     packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
     scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
     r0 = (b - starts[g]) * rb1
-    _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], r0, min(R, r0 + rb1))
+    _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], r0, min(R, r0 + rb1), sfs)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -833,8 +835,9 @@ def _mxfp4_t1(x, jobs, out, rb1):
     set up and to fetch)."""
     xe, xo, xep, xop = _split_x(x, jobs)
     starts = job_blocks(jobs, rb1, rb1)
+    sf_all = np.empty((starts[-1], _SF_ROWS, xe.shape[1] // 16), np.float32)   # one allocation per call
     for b in prange(starts[-1]):
-        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1)
+        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1, sf_all[b])
 
 
 @njit(cache=True, nogil=True)
@@ -843,11 +846,12 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
     the pool."""
     xe, xo, xep, xop = _split_x(x, jobs)
     P = xe.shape[1]
+    sfs = np.empty((_SF_ROWS, P // 16), np.float32)
     for g in range(jobs.shape[0]):                    # whole jobs: no blocks to find
         R = jobs[g, J_N]
         packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
         scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
-        _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R)
+        _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R, sfs)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -885,7 +889,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
         tid = get_thread_id()
         if T == 1:
             _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, (b - starts[g]) * rb1,
-                     min(R, (b - starts[g] + 1) * rb1))
+                     min(R, (b - starts[g] + 1) * rb1), sf_all[tid])
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(R, r0 + rb) - r0
