@@ -234,3 +234,17 @@ def test_kept_tables_follow_their_weight_objects():
     del w
     gc.collect()
     assert not any(key[0] == k for key in b._DESC) and not any(k in key[2:] for key in b._TABLES)
+
+
+def test_kernel_scratch_and_activation_copies_start_on_a_cache_line():
+    # the T > 1 tiles load 64 bytes at a time from these; a misaligned start makes every
+    # load straddle two cache lines (slower, same bits)
+    from k3.quant import bf16
+    for n in (1, 15, 16, 17, 1000, 4096, 100_003, 1 << 20):
+        a = bf16.empty64(n)
+        assert a.shape == (n,) and a.dtype == np.float32 and a.ctypes.data % 64 == 0
+    for T, K in ((2, 64), (3, 100), (16, 7168), (5, 3584)):
+        x = torch.randn(T, K).numpy()
+        xs = bf16.pair_split_x(x)
+        assert xs.ctypes.data % 64 == 0 and xs.shape == (T, K) and xs.flags.c_contiguous
+        assert np.array_equal(np.sort(xs, axis=1), np.sort(x, axis=1))   # a permutation of each row

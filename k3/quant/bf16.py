@@ -627,6 +627,17 @@ J_N, J_X0, J_X1, J_OFF, J_ADDR = 0, 1, 2, 3, 4
 
 
 @njit(cache=True, nogil=True)
+def empty64(n):
+    """An uninitialised float32 [n] whose data start on a 64-byte boundary (a cache line,
+    one 512-bit register). numpy's and numba's allocators give 16 or 32 bytes, and then
+    every 64-byte vector load from the array straddles two cache lines: the T > 1 tiles
+    read activations and scratch that way ~16 % slower (docs/PERFORMANCE.md)."""
+    buf = np.empty(n + 16, np.float32)
+    o = (-(buf.ctypes.data >> 2)) & 15
+    return buf[o:o + n]
+
+
+@njit(cache=True, nogil=True)
 def job_blocks(jobs, rb1, rb):
     """Prefix sums of the jobs' row blocks (rb1 rows when a job has one token, rb
     otherwise): job g owns blocks starts[g] .. starts[g+1]-1."""
@@ -718,7 +729,7 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
     starts = job_blocks(jobs, rb1, rb)
     # per-thread scratch, allocated once per call (nth = numba threads of the caller;
     # numba.get_num_threads() inside a cached function would defeat the cache)
-    acc_all = np.empty((nth, rb * _ST, LANES), np.float32)
+    acc_all = empty64(nth * rb * _ST * LANES).reshape((nth, rb * _ST, LANES))
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         N = jobs[g, J_N]
@@ -1017,20 +1028,17 @@ def _pair_split_step(typingctx, src, dst, n):
 
 
 @njit(cache=True, nogil=True)
-def _pair_split_rows(x, xs):
+def pair_split_x(x):
+    """A copy of activations x float32 [T, K] with each whole 64-element step in the
+    PAIR_SPLIT order (the tail, K % 64, as it is): the x the even/odd tiles read, on a
+    64-byte boundary."""
     T, K = x.shape
+    xs = empty64(T * K).reshape((T, K))
     nj = K // LANES
     for t in range(T):
         _pair_split_step(x[t], xs[t], nj)
         for k in range(nj * LANES, K):
             xs[t, k] = x[t, k]
-
-
-def pair_split_x(xn: np.ndarray) -> np.ndarray:
-    """A copy of activations [T, K] with each whole 64-element step in the PAIR_SPLIT
-    order (the tail, K % 64, as it is): the x the even/odd tiles read."""
-    xs = np.empty_like(xn)
-    _pair_split_rows(xn, xs)
     return xs
 
 

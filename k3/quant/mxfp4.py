@@ -59,7 +59,7 @@ from numba.extending import intrinsic
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
-                   counted_loop, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V,
+                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V,
                    _row_ptr)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
@@ -750,8 +750,8 @@ def _split_x(x, jobs):
     MXFP4 kernel."""
     M, C = x.shape
     P = C // 2
-    xe = np.empty((M, P), np.float32)
-    xo = np.empty((M, P), np.float32)
+    xe = empty64(M * P).reshape((M, P))
+    xo = empty64(M * P).reshape((M, P))
     for t in range(M):
         for p in range(P):
             xe[t, p] = x[t, 2 * p]
@@ -763,8 +763,8 @@ def _split_x(x, jobs):
                 few = True
     if not few:
         return xe, xo, xe, xo
-    xep = np.empty((M, P), np.float32)
-    xop = np.empty((M, P), np.float32)
+    xep = empty64(M * P).reshape((M, P))
+    xop = empty64(M * P).reshape((M, P))
     for t in range(M):
         for j in range(0, P, LANES):
             for i in range(LANES):
@@ -874,9 +874,9 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     wok = np.zeros((nth, rb), np.int64)
-    we_all = np.empty((nth, rb, P), np.float32)
-    wo_all = np.empty((nth, rb, P), np.float32)
-    acc_all = np.empty((nth, rb * max(_NT2, _NTF), LANES), np.float32)
+    we_all = empty64(nth * rb * P).reshape((nth, rb, P))
+    wo_all = empty64(nth * rb * P).reshape((nth, rb, P))
+    acc_all = empty64(nth * rb * max(_NT2, _NTF) * LANES).reshape((nth, rb * max(_NT2, _NTF), LANES))
     sf_all = np.empty((nth, rb if _ROW_SF else 0, P // 16), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
