@@ -296,6 +296,20 @@ def kernel_isa() -> str:
     return want
 
 
+def cpu_vendor() -> str:
+    """"intel", "amd" or "" (unknown): the CPU's maker, from /proc/cpuinfo's vendor_id,
+    for the few tuning choices (never results) where their memory systems differ."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    v = line.split(":", 1)[1].strip()
+                    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(v, "")
+    except OSError:
+        pass
+    return ""
+
+
 #: fp32 lanes of one register for each kernel_isa() path
 VECTOR_LANES = {"avx512": 16, "avx2": 8, "generic": 4}
 
@@ -488,13 +502,14 @@ _tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_TILE_PF)     # a block's last
 _unpermute = make_unpermute(PAIR_SPLIT)
 
 
-def make_dotn_bf16(nr: int):
+def make_dotn_bf16(nr: int, pf: int = 0):
     """An intrinsic ``dot(x, xi, w, wi, nj)``: x[xi] . fp32(w[wi + k]) for k < nr over K =
     64 * nj elements (no tail), each row's whole canonical order in registers (lanes from
     +0.0, nj fma steps, the halving tree): the same bits as ``_zero`` + ``_vdot_bf16`` +
     ``_tree_sum``, without a trip through memory per row (which dominates short rows).
     nr > 1 rows at once keep nr weight streams in flight and share the x loads; the
-    result is then a tuple."""
+    result is then a tuple. ``pf`` > 0: each step prefetches both cache lines of every
+    row pf elements ahead (a hint; it never faults past a row's end)."""
     def typer(typingctx, x, xi, w, wi, nj):
         if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
                 and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
@@ -515,6 +530,9 @@ def make_dotn_bf16(nr: int):
 
             def body(j, acc):
                 off = builder.mul(j, _I64(LANES))
+                for p in wp if pf else ():
+                    for h in (0, LANES // 2):
+                        _prefetch(builder, builder.gep(p, [builder.add(off, _I64(pf + h))]))
                 xv = _vload(builder, xp, off, _F32, LANES)
                 return [_vfma(builder, xv, widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)), a)
                         for p, a in zip(wp, acc)]
@@ -525,7 +543,7 @@ def make_dotn_bf16(nr: int):
 
         return sig, codegen
 
-    typer.__name__ = f"dot{nr}_bf16"
+    typer.__name__ = f"dot{nr}_bf16" + (f"_pf{pf}" if pf else "")
     return intrinsic(typer)
 
 
@@ -541,7 +559,11 @@ _dot_bf16 = make_dotn_bf16(1)
 #: the activation lines each step re-reads from L2 for every four rows); AVX2 four.
 #: Measured in docs/PERFORMANCE.md.
 _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
-_dotn_bf16 = make_dotn_bf16(_T1_NR)
+#: and on Intel's AVX-512 cores they prefetch their rows 512 elements (1 KiB) ahead: there
+#: the hardware streamer, which stops at every 4 KiB page, left the eight streams short
+#: (10-16 % slower without); on Zen 4 the same prefetch cost 5-15 % (docs/PERFORMANCE.md)
+_T1_PF = 512 if _ISA == "avx512" and cpu_vendor() == "intel" else 0
+_dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
 _T1_MANY_K = {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
