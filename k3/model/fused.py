@@ -35,6 +35,10 @@ from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
 #: twin on the calling thread (``_run``): waking the pool cost more than the second core
 #: gave (docs/PERFORMANCE.md, "Per-token overhead"); results do not depend on it
 _SERIAL = 1 << 18
+#: what one element of a KDA recurrent state weighs against that limit: each step reads
+#: and writes the whole state (two passes, from beyond L2), so even a small model's state
+#: goes faster split over both cores' caches (docs/PERFORMANCE.md, fourteenth session)
+_STATE_COST = 8
 
 
 @njit(cache=True, nogil=True)
@@ -273,8 +277,8 @@ def kda_recurrent_steps(S0: torch.Tensor, eg: torch.Tensor, k: torch.Tensor, bet
     if T == 0:
         S[...] = S0.numpy()
     else:
-        _run(_kda_recurrent, _kda_recurrent_serial, T * S.size, S0.numpy(), eg.numpy(), k.numpy(), beta.numpy(),
-             v.numpy(), q.numpy(), S, o)
+        _run(_kda_recurrent, _kda_recurrent_serial, _STATE_COST * T * S.size, S0.numpy(), eg.numpy(), k.numpy(),
+             beta.numpy(), v.numpy(), q.numpy(), S, o)
     return torch.from_numpy(o), into
 
 
@@ -1745,8 +1749,8 @@ def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_
     S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
     into = _state_into(into, S0, (H, dk, dv))
     out = np.empty(zn.size, np.float32)
-    _run(_kda_decode1, _kda_decode1_serial, T * H * dk * dv, *xn, *wn, *sn, acc, np.empty_like(acc), *news,
-         float(l2_eps), described(scale_gain(dk, q_scale), _gain_array), q, k, v, _array(b).reshape(T, H), beta,
+    _run(_kda_decode1, _kda_decode1_serial, _STATE_COST * T * H * dk * dv, *xn, *wn, *sn, acc, np.empty_like(acc),
+         *news, float(l2_eps), described(scale_gain(dk, q_scale), _gain_array), q, k, v, _array(b).reshape(T, H), beta,
          *args, np.empty(T * H * dk, np.float32), S0n, into.numpy(), np.empty((T, H, dv), np.float32),
          described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
     return torch.from_numpy(out.reshape(z.shape)), into, [torch.from_numpy(n) for n in news]
