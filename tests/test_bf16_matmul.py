@@ -67,7 +67,8 @@ def _emulate_canonical(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("T,N,K", [(1, 5, 200), (3, 5, 200), (4, 3, 64 * 5 + 33),
                                    (21, 7, 64 * 3 + 5), (18, 5, 40), (33, 4, 2048 + 128),  # super tiles, chunks
-                                   (1, 9, 2304), (1, 9, 4096), (1, 21, 4096), (1, 17, 1536)])  # T = 1: one row, many at a time
+                                   (1, 9, 2304), (1, 9, 4096), (1, 21, 4096),  # T = 1: one row, many at a time
+                                   (1, 17, 1536)])  # many at a time from K = 1536 (Intel AVX-512)
 def test_canonical_order_bit_exact(T, N, K):
     x, w = _case(11 + T + K, T, N, K)
     y = bf16_linear(x, w)

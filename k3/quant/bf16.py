@@ -653,8 +653,8 @@ J_N, J_X0, J_X1, J_OFF, J_ADDR = 0, 1, 2, 3, 4
 def empty64(n):
     """An uninitialised float32 [n] whose data start on a 64-byte boundary (a cache line,
     one 512-bit register). numpy's and numba's allocators give 16 or 32 bytes, and then
-    every 64-byte vector load from the array straddles two cache lines: the T > 1 tiles
-    read activations and scratch that way ~16 % slower (docs/PERFORMANCE.md)."""
+    every 64-byte vector load from the array straddles two cache lines, which slowed the
+    T > 1 tiles measurably (docs/PERFORMANCE.md, fourteenth session)."""
     buf = np.empty(n + 16, np.float32)
     o = (-(buf.ctypes.data >> 2)) & 15
     return buf[o:o + n]

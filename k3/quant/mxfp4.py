@@ -59,8 +59,8 @@ from numba.extending import intrinsic
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
-                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt, _ISA, _V,
-                   _row_ptr)
+                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt,
+                   _ISA, _V, _row_ptr)
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
