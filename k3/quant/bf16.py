@@ -563,9 +563,10 @@ _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
 #: at K = 1536: there the hardware streamer, which stops at every 4 KiB page, leaves
 #: unprefetched streams short, one row's stream most of all; on Zen 4 a prefetch in the
 #: four-row dot was slower (docs/PERFORMANCE.md, thirteenth and fourteenth sessions).
-_T1_PF = 512 if _ISA == "avx512" and cpu_vendor() == "intel" else 0
+_T1_INTEL = _ISA == "avx512" and cpu_vendor() == "intel"
+_T1_PF = 512 if _T1_INTEL else 0
 _dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
-_T1_MANY_K = 1536 if _T1_PF else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
+_T1_MANY_K = 1536 if _T1_INTEL else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
 @intrinsic
