@@ -547,7 +547,6 @@ def make_dotn_bf16(nr: int, pf: int = 0):
     return intrinsic(typer)
 
 
-_dot_bf16 = make_dotn_bf16(1)
 #: T = 1 streams several rows at once when K is at least _T1_MANY_K (more streams in
 #: flight keep the memory busier, and each activation load serves more rows), on AVX-512
 #: and AVX2 alike; never on the generic path. Short rows go one at a time: on AVX2 one
@@ -566,6 +565,12 @@ _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
 _T1_INTEL = _ISA == "avx512" and cpu_vendor() == "intel"
 _T1_PF = 512 if _T1_INTEL else 0
 _dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
+#: ... and the one-row dot (short rows, which stream one after another: one stream per
+#: thread) prefetches 1024 elements (2 KiB) ahead on Intel, into the next rows: with the
+#: weights partly in the shared L3, as in a small model's decode, +26-33 % on [*, 768]
+#: calls; from memory about even (docs/PERFORMANCE.md, fifteenth session)
+_T1_PF1 = 1024 if _T1_INTEL else 0
+_dot_bf16 = make_dotn_bf16(1, _T1_PF1)
 _T1_MANY_K = 1536 if _T1_INTEL else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
