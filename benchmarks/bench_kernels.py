@@ -42,7 +42,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -69,13 +68,8 @@ BARS = {"mxfp4_linear": 1.5, "bf16_linear": 8.0}   # GB/s at T = 1 (brief's bars
 
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from k3.cpuinfo import cpuinfo
+    return cpuinfo().model
 
 
 def loadavg() -> str:

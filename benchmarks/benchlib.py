@@ -468,15 +468,9 @@ if __name__ == "__main__":
 
 def cpu_flags() -> str:
     """The CPU model and the SIMD flags the kernels care about, for every result row."""
-    name, flags = "unknown", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from k3.cpuinfo import cpuinfo
+    info = cpuinfo()
+    name, flags = info.model, info.flags
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     line = f"{name} [{' '.join(simd) or 'no avx2'}]"
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .cpuinfo import cpuinfo
 from .errors import K3Error
 from .probe import K3_EXPERT_BYTES
 from .units import GB, human
@@ -127,44 +128,15 @@ def check_python(rep: Report) -> None:
     rep.data["versions"] = versions
 
 
-def _cpuinfo() -> dict:
-    info = {"model": platform.processor() or platform.machine(), "flags": set(), "physical": None}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    cores = set()
-    phys = core = None
-    for line in text.splitlines():
-        if ":" not in line:
-            if phys is not None or core is not None:
-                cores.add((phys, core))
-            phys = core = None
-            continue
-        k, v = (x.strip() for x in line.split(":", 1))
-        if k in ("model name", "Model", "cpu model") and info["model"] in ("", platform.machine(), platform.processor()):
-            info["model"] = v
-        elif k in ("flags", "Features"):
-            info["flags"].update(v.split())
-        elif k == "physical id":
-            phys = v
-        elif k == "core id":
-            core = v
-    if phys is not None or core is not None:
-        cores.add((phys, core))
-    info["physical"] = len(cores) or None
-    return info
-
-
 def check_cpu(rep: Report) -> None:
     lines = rep.section("cpu")
-    info = _cpuinfo()
+    info = cpuinfo()
     logical = os.cpu_count() or 1
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
-    phys = info["physical"]
-    lines.append(f"{info['model']}: {usable} CPUs usable of {logical} logical"
+    phys = info.physical
+    lines.append(f"{info.model}: {usable} CPUs usable of {logical} logical"
                  + (f", {phys} physical cores" if phys else ""))
-    have = [f for f in SIMD_FLAGS if f in info["flags"]]
+    have = [f for f in SIMD_FLAGS if f in info.flags]
     cap = None
     try:
         import torch
@@ -173,8 +145,19 @@ def check_cpu(rep: Report) -> None:
         pass
     lines.append("SIMD: " + (" ".join(have) if have else "none reported")
                  + (f" (torch kernels use {cap})" if cap else ""))
+    kern = None
+    try:
+        from .quant.bf16 import kernel_path
+        kern = kernel_path()
+        lines.append(f"k3 kernels: {kern['isa']} path ({kern['lanes']}-lane vectors, {kern['tile']} token x row tiles"
+                     + (f", one token {kern['t1_rows']} rows at a time from K = {kern['t1_rows_from_k']}"
+                        if kern["t1_rows_from_k"] else "") + ")"
+                     + (f"; {kern['vendor']} tuning: " + ", ".join(kern["vendor_tuning"]) if kern["vendor_tuning"]
+                        else ""))
+    except Exception as e:  # noqa: BLE001 - a report line, never a reason to fail the doctor
+        lines.append(f"k3 kernels: not available ({type(e).__name__}: {e})")
     machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64") and info["flags"] and "avx2" not in info["flags"]:
+    if machine in ("x86_64", "amd64") and info.flags and "avx2" not in info.flags:
         rep.warnings.append("this CPU has no AVX2: the BF16 and MXFP4 kernels run without vector units and "
                             "decoding will be several times slower.")
     bw = None
@@ -185,8 +168,8 @@ def check_cpu(rep: Report) -> None:
                      "memory-bound decode step reads its weights at most this fast")
     except Exception:  # pragma: no cover - no torch in this build
         pass
-    rep.data["cpu"] = {"model": info["model"], "usable": usable, "logical": logical, "physical": phys,
-                       "simd": have, "torch_capability": cap, "memory_gbps": bw}
+    rep.data["cpu"] = {"model": info.model, "vendor": info.vendor, "usable": usable, "logical": logical,
+                       "physical": phys, "simd": have, "torch_capability": cap, "kernels": kern, "memory_gbps": bw}
 
 
 # ---------------------------------------------------------------- memory

@@ -297,17 +297,21 @@ def kernel_isa() -> str:
 
 
 def cpu_vendor() -> str:
-    """"intel", "amd" or "" (unknown): the CPU's maker, from /proc/cpuinfo's vendor_id,
-    for the few tuning choices (never results) where their memory systems differ."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    v = line.split(":", 1)[1].strip()
-                    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(v, "")
-    except OSError:
-        pass
-    return ""
+    """"intel", "amd" or "" (unknown): the CPU's maker (k3.cpuinfo), for the few tuning
+    choices (never results) where their memory systems differ."""
+    from ..cpuinfo import cpuinfo
+    return cpuinfo().vendor
+
+
+def kernel_path() -> dict:
+    """What the BF16 kernels run here, for ``k3 doctor``: the instruction-set path, the
+    token x row tile of T > 1, the rows one token streams at once and from which K,
+    the vendor tuning in force."""
+    pf = [f"{'one row' if n == 1 else f'{n} rows'} at a time prefetch{'es' if n == 1 else ''} {d * 2} bytes ahead"
+          for n, d in ((_T1_NR, _T1_PF), (1, _T1_PF1)) if d]
+    return {"isa": _ISA, "lanes": _V, "tile": f"{_NT}x{_NR}", "t1_rows": _T1_NR,
+            "t1_rows_from_k": _T1_MANY_K if _T1_MANY_K < 1 << 62 else None,
+            "vendor": cpu_vendor(), "vendor_tuning": pf}
 
 
 #: fp32 lanes of one register for each kernel_isa() path
