@@ -182,12 +182,28 @@ def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[floa
     out = np.zeros(threads, np.float32)
     ab = np.array([0.9999999, 1e-7], np.float32)
     run(10, threads, out, ab)  # compile
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run(iters, threads, out, ab)
-        best = max(best, threads * iters * chains * width / (time.perf_counter() - t0) / 1e9)
-    return best, f"{threads} threads x {chains} chains of {width}-lane FMAs"
+
+    def best_of(n: int, tries: int) -> float:
+        best = 0.0
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            run(iters, n, out, ab)
+            best = max(best, n * iters * chains * width / (time.perf_counter() - t0) / 1e9)
+        return best
+
+    one = best_of(1, reps)
+    best = best_of(threads, reps)
+    # A shared VM can leave one of the threads without its core for the whole probe (one
+    # run here read exactly one thread's peak for two): then measure again, a little later
+    for _ in range(5):
+        if threads == 1 or best >= 0.75 * threads * one:
+            break
+        time.sleep(0.5)
+        best = max(best, best_of(threads, reps))
+    how = f"{threads} threads x {chains} chains of {width}-lane FMAs; one thread {one:.1f}"
+    if threads > 1 and best < 0.75 * threads * one:
+        how += f"; WARNING: below {threads} x one thread, the other cores were busy"
+    return best, how
 
 
 def main(argv=None):
