@@ -52,7 +52,7 @@ def launch() -> tuple[int, int] | None:
 
 def kernel_isa() -> str | None:
     """K3_KERNEL_ISA (generic | avx2 | avx512): the MXFP4 decode path to compile, for
-    tests that compare the paths (a fresh NUMBA_CACHE_DIR with it: compiled kernels are
-    cached per CPU, not per path). Not for users: every path gives the same bits."""
+    tests that compare the paths (each path compiles into its own cache folder,
+    k3.quant.kcache). Not for users: every path gives the same bits."""
     v = os.environ.get("K3_KERNEL_ISA") or None
     return v

@@ -30,6 +30,9 @@ from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I3
                           _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
+from ..quant.kcache import enter as _cache_enter, leave as _cache_leave
+
+_CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
 
 #: below this much work (multiply-adds, state elements) a parallel op runs as its serial
 #: twin on the calling thread (``_run``): waking the pool cost more than the second core
@@ -1815,3 +1818,6 @@ def kda_decay(u: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, n_hea
         _decay_softplus_post(x, buf.reshape(-1), v.reshape(-1), lv.reshape(-1), A, n_heads, g.reshape(-1))
     gt = torch.from_numpy(g.reshape(shape))
     return (gt, torch.exp(gt)) if with_exp else gt
+
+
+_cache_leave(_CACHE_PREV)

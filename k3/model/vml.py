@@ -29,6 +29,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from ..quant.kcache import enter as _cache_enter, leave as _cache_leave
+
+_CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
 
 #: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: ATen's mode for its VML calls
 _MODE = 0x2 | 0x140000 | 0x100
@@ -168,3 +171,5 @@ def _self_check() -> bool:
 
 #: whether vexp / vtanh / vlog give torch's bits in this process (checked at import)
 AVAILABLE = _self_check()
+
+_cache_leave(_CACHE_PREV)

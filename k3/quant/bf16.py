@@ -59,6 +59,9 @@ from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from .kcache import enter as _cache_enter, leave as _cache_leave
+
+_CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
 
 __all__ = ["bf16_linear", "bf16_grouped", "LANES"]
 
@@ -1128,3 +1131,6 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if was_1d:
         return torch.from_numpy(out)
     return torch.from_numpy(out.reshape(M, total // M if M else described(w, _bf16_matrix)[0]))
+
+
+_cache_leave(_CACHE_PREV)

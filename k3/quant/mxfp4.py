@@ -59,8 +59,11 @@ from numba.extending import intrinsic
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
-                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, kernel_isa, make_tile, for_each_nt,
+                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_tile, for_each_nt,
                    _ISA, _V, _row_ptr)
+from .kcache import enter as _cache_enter, leave as _cache_leave
+
+_CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
 
 __all__ = ["E2M1", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "encode_mxfp4", "GROUP"]
 
@@ -1116,3 +1119,6 @@ def encode_mxfp4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, t
     codes = _e2m1_codes(g / np.exp2(e)[..., None].astype(np.float32)).reshape(r, c)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy((e + 127).astype(np.uint8))
+
+
+_cache_leave(_CACHE_PREV)

@@ -1,0 +1,63 @@
+"""Where numba keeps k3's compiled kernels.
+
+numba keys each cached function on its own source file only, but k3's kernels compile
+in code from one another (``bf16`` intrinsics in ``mxfp4`` and ``k3.model.fused``,
+``k3.model.vml`` in ``fused``): after a ``git pull`` that changed ``bf16.py`` alone,
+the cached ``mxfp4`` and ``fused`` functions would keep the old code. So the kernel
+modules are compiled into a folder named by a hash of every kernel source (and of
+``K3_KERNEL_ISA``, the path a process compiles): any change to any of them starts a
+fresh folder (~8 MB; old ones can be deleted at any time). Each kernel module calls
+``enter()`` before its first ``@njit(cache=True)`` and ``leave()`` after its last, so
+other code's numba functions keep numba's own cache location. An explicit
+``NUMBA_CACHE_DIR`` wins; where the folder cannot be written numba falls back to its
+usual places.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from numba.core import config
+
+from .. import env
+
+#: every file with numba-compiled kernel code, relative to the k3 package
+KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "model/fused.py", "model/vml.py")
+
+_PKG = Path(__file__).resolve().parent.parent
+_DIR: str | None = None
+
+
+def folder(sources: dict[str, bytes] | None = None, isa: str | None = None) -> Path:
+    """The cache folder for these kernel sources (default: the installed files) and
+    instruction-set choice (default: K3_KERNEL_ISA)."""
+    if sources is None:
+        sources = {rel: (_PKG / rel).read_bytes() for rel in KERNEL_SOURCES}
+    h = hashlib.sha256()
+    for rel in sorted(sources):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(sources[rel]).digest())
+    h.update(b"isa=" + ((env.kernel_isa() or "") if isa is None else isa).encode())
+    return env.cache_dir() / "numba" / h.hexdigest()[:16]
+
+
+def enter() -> str | None:
+    """Point numba's cache at ``folder()`` for the functions defined next; returns the
+    setting to give ``leave`` (None: the user chose NUMBA_CACHE_DIR, left alone)."""
+    global _DIR
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return None
+    if _DIR is None:
+        try:
+            _DIR = str(folder())
+        except (OSError, RuntimeError):  # a source unreadable, no home folder: numba's usual places
+            return None
+    prev = config.CACHE_DIR
+    config.CACHE_DIR = _DIR
+    return prev
+
+
+def leave(prev: str | None) -> None:
+    if prev is not None:
+        config.CACHE_DIR = prev
