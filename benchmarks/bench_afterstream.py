@@ -12,7 +12,7 @@ nested virtualization those walks are long. This script measures that cost direc
   route      k3's router selection (``route_topk`` on [1, 64] logits, top-8, as small K3
              decodes), first after the stream, then again
   stream     the stream itself: a numba sum over S MB of a huge-page buffer, a
-             different part of a 1 GiB buffer each time (cold)
+             different part of a buffer four times the largest S each time (cold)
 
 Each figure is the median of --iters stream/call pairs; --reps repeats the set. One TSV
 row per (rep, probe, stream size) in benchmarks/results/afterstream.tsv with the CPU
@@ -94,8 +94,17 @@ def main(argv=None) -> int:
     from k3.checkpoint.io import aligned_empty
     from k3.model.fused import route_topk
 
-    torch.set_num_threads(1)
-    big = np.frombuffer(aligned_empty(1 << 30, huge=True), np.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # one core streams and calls, as decode's glue runs on one
+    try:
+        return _run(args, sizes, pages, aligned_empty, route_topk)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, sizes, pages, aligned_empty, route_topk) -> int:
+    # four times the largest stream (at least 64 MB), so each stream reads a cold part
+    big = np.frombuffer(aligned_empty(max(64 << 20, int(4 * max(sizes) * (1 << 20))), huge=True), np.float32)
     big[:] = 1.0
     _mm, small = small_pages(max(pages) * 4096)
     logits, bias = torch.randn(1, 64), torch.randn(64)

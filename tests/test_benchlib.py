@@ -31,3 +31,17 @@ def test_tsv_refuses_columns_that_do_not_extend_the_file(tmp_path):
     with pytest.raises(SystemExit, match="not these"):
         Tsv(p, ["a", "c"])
     assert p.read_text() == before
+
+
+def test_afterstream_writes_a_row_per_probe_and_stream_size(tmp_path):
+    import bench_afterstream
+    out = tmp_path / "a.tsv"
+    assert bench_afterstream.main(["--sizes", "0,1", "--pages", "4", "--iters", "3", "--reps", "1",
+                                   "--tsv", str(out)]) == 0
+    head, *rows = [line.split("\t") for line in out.read_text().splitlines()]
+    rows = [dict(zip(head, r)) for r in rows]
+    assert [(r["probe"], float(r["stream_mb"])) for r in rows] == [
+        ("touch 4 pages", 0.0), ("touch 4 pages", 1.0), ("route_topk [1, 64] top-8", 0.0),
+        ("route_topk [1, 64] top-8", 1.0)]
+    assert all(float(r["first_us"]) > 0 and float(r["hot_us"]) > 0 for r in rows)
+    assert rows[0]["stream_gbs"] == "nan" and float(rows[1]["stream_gbs"]) > 0
