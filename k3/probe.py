@@ -267,3 +267,41 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
         dt = time.perf_counter() - t0
         best = max(best, a.numel() * 4 / dt / 1e9)
     return best
+
+
+#: above this many microseconds a page, the doctor says the page walks are slow here
+SLOW_WALK_US = 0.4
+
+
+def walk_after_stream(stream_bytes: int = 128 << 20, pages: int = 256, reps: int = 7) -> tuple[float, float]:
+    """What touching ``pages`` distinct 4 KiB pages costs right after a weight-sized
+    stream, and at once again: (first, hot) in microseconds, medians of ``reps``.
+
+    Decode alternates kernels that stream weights with short glue (Python, torch
+    bookkeeping) that touches many pages once each. The stream evicts the cached page
+    translations, so each page the glue touches next walks the page tables again: a
+    few tens of nanoseconds on bare metal, up to ~1 us under nested virtualization,
+    which then multiplies a small model's per-token glue (docs/PERFORMANCE.md,
+    "Per-token overhead", seventeenth session). One thread; the stream is a numpy sum
+    over a part of a buffer twice its size, a new part each time."""
+    import statistics
+    import time
+
+    import numpy as np
+    n = stream_bytes // 4
+    big = np.ones(2 * n, np.float32)
+    small = np.ones(pages * 4096, np.uint8)
+    idx = np.arange(pages) * 4096
+    first, hot = [], []
+    for r in range(reps + 1):                   # the first round faults the pages in
+        o = (r % 2) * n
+        float(big[o:o + n].sum())
+        t0 = time.perf_counter()
+        int(small[idx].sum())
+        t1 = time.perf_counter()
+        int(small[idx].sum())
+        t2 = time.perf_counter()
+        if r:
+            first.append((t1 - t0) * 1e6)
+            hot.append((t2 - t1) * 1e6)
+    return statistics.median(first), statistics.median(hot)

@@ -52,6 +52,7 @@ def test_without_a_model(tmp_path):
     kern = rep.data["cpu"]["kernels"]
     assert kern["isa"] == kernel_isa() and f"k3 kernels: {kern['isa']} path" in text
     assert rep.data["cpu"]["vendor"] in ("intel", "amd", "")
+    assert rep.data["cpu"]["page_walk"]["first_us"] > 0 and "page walks after a weight stream" in text
 
 
 def test_complete_model(model):
@@ -179,3 +180,22 @@ def test_command_and_cli_entry(model, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "k3", "doctor", str(tmp_path / "nope"), "--no-probe"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "is not a folder" in r.stdout
+
+
+@pytest.mark.parametrize("first,hot,warned", [(230.0, 5.0, True), (40.0, 3.0, False)])
+def test_page_walk_line_and_warning(monkeypatch, first, hot, warned):
+    import k3.probe
+    monkeypatch.setattr(k3.probe, "walk_after_stream", lambda: (first, hot))
+    rep = Report()
+    from k3.doctor import check_cpu
+    check_cpu(rep)
+    text = rep.render()
+    assert f"page walks after a weight stream: 256 pages {first:.0f} us, again {hot:.0f} us" in text
+    assert rep.data["cpu"]["page_walk"] == {"pages": 256, "first_us": first, "hot_us": hot}
+    assert any("page-table walks are slow" in w for w in rep.warnings) == warned
+
+
+def test_page_walk_probe_measures_both_touches():
+    from k3.probe import walk_after_stream
+    first, hot = walk_after_stream(stream_bytes=8 << 20, pages=16, reps=3)
+    assert first > 0 and hot > 0
