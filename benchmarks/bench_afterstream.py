@@ -1,14 +1,14 @@
 """What a small call costs right after a weight stream (the glue between decode's kernels).
 
 Decode alternates kernels that stream weights (MB each) with short Python glue
-(routing, mixes, tensor bookkeeping). On some hosts the glue runs far slower right
-after a stream than in a hot loop: the stream evicts the caches that hold the page
-tables, so every distinct page the glue touches pays a page walk from memory, and under
-nested virtualization those walks are long. This script measures that cost directly:
+(routing, mixes, tensor bookkeeping). The glue runs far slower right after a stream
+than in a hot loop: the stream evicts the glue's code and data from the caches, and
+every line it reads next waits on memory, whose latency other programs' load can
+multiply. This script measures that cost directly:
 
   touch      a numba loop reading one byte of each of P distinct 4 KiB pages (an
-             anonymous mapping advised MADV_NOHUGEPAGE), first right after the stream,
-             then again at once (hot)
+             anonymous mapping advised MADV_NOHUGEPAGE: P lines, P translations),
+             first right after the stream, then again at once (hot)
   route      k3's router selection (``route_topk`` on [1, 64] logits, top-8, as small K3
              decodes), first after the stream, then again
   stream     the stream itself: a numba sum over S MB of a huge-page buffer, a
@@ -16,9 +16,8 @@ nested virtualization those walks are long. This script measures that cost direc
 
 Each figure is the median of --iters stream/call pairs; --reps repeats the set. One TSV
 row per (rep, probe, stream size) in benchmarks/results/afterstream.tsv with the CPU
-flags, the kernel release and the 1-minute load. On a bare-metal machine the first and
-hot figures stay within a few microseconds; docs/PERFORMANCE.md ("Per-token overhead",
-seventeenth session) has what the sandbox VMs give.
+flags, the kernel release and the 1-minute load. docs/PERFORMANCE.md ("Per-token
+overhead", seventeenth session) has what the sandbox VMs give.
 
     python benchmarks/bench_afterstream.py [--sizes 0,4,32,128] [--pages 64,256] [--iters 60] [--reps 3]
 """

@@ -168,26 +168,25 @@ def check_cpu(rep: Report) -> None:
                      "memory-bound decode step reads its weights at most this fast")
     except Exception:  # pragma: no cover - no torch in this build
         pass
-    walk = None
+    cold = None
     try:
-        from .probe import SLOW_WALK_US, walk_after_stream
-        first, hot = walk_after_stream()
-        walk = {"pages": 256, "first_us": first, "hot_us": hot}
+        from .probe import SLOW_READ_US, cold_reads_after_stream
+        first, hot = cold_reads_after_stream()
+        cold = {"lines": 256, "first_us": first, "hot_us": hot}
         per = max(0.0, first - hot) / 256
-        lines.append(f"page walks after a weight stream: 256 pages {first:.0f} us, again {hot:.0f} us "
-                     f"({per * 1e3:.0f} ns a page)")
-        if per > SLOW_WALK_US:
+        lines.append(f"cold reads after a weight stream: 256 lines {first:.0f} us, again {hot:.0f} us "
+                     f"({per * 1e3:.0f} ns a line)")
+        if per > SLOW_READ_US:
             rep.warnings.append(
-                f"page-table walks are slow on this machine ({per:.1f} us a page right after a 128 MB stream; "
-                "typical for a VM inside a VM): the Python glue between a decode step's kernels runs with cold "
-                "translations, so small and mid-sized models spend several times their bare-metal glue time "
-                "per token. Nothing in k3 changes it; bare metal or a single-level VM does "
-                "(docs/PERFORMANCE.md, \"Per-token overhead\").")
+                f"memory reads that miss the caches are slow on this machine now ({per:.1f} us a line right after a "
+                "128 MB stream; other programs loading the memory, or a VM inside a VM): the Python glue between a "
+                "decode step's kernels waits on them, so small and mid-sized models spend several times their "
+                "quiet-machine glue time per token (docs/PERFORMANCE.md, \"Per-token overhead\").")
     except Exception:  # noqa: BLE001 - a report line, never a reason to fail the doctor
         pass
     rep.data["cpu"] = {"model": info.model, "vendor": info.vendor, "usable": usable, "logical": logical,
                        "physical": phys, "simd": have, "torch_capability": cap, "kernels": kern, "memory_gbps": bw,
-                       "page_walk": walk}
+                       "cold_reads": cold}
 
 
 # ---------------------------------------------------------------- memory

@@ -269,29 +269,30 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     return best
 
 
-#: above this many microseconds a page, the doctor says the page walks are slow here
-SLOW_WALK_US = 0.4
+#: above this many microseconds a line, the doctor says cold reads are slow here
+SLOW_READ_US = 0.4
 
 
-def walk_after_stream(stream_bytes: int = 128 << 20, pages: int = 256, reps: int = 7) -> tuple[float, float]:
-    """What touching ``pages`` distinct 4 KiB pages costs right after a weight-sized
-    stream, and at once again: (first, hot) in microseconds, medians of ``reps``.
+def cold_reads_after_stream(stream_bytes: int = 128 << 20, lines: int = 256, reps: int = 7) -> tuple[float, float]:
+    """What reading ``lines`` cache lines, one in each of as many 4 KiB pages, costs right
+    after a weight-sized stream, and at once again: (first, hot) in microseconds,
+    medians of ``reps``.
 
     Decode alternates kernels that stream weights with short glue (Python, torch
-    bookkeeping) that touches many pages once each. The stream evicts the cached page
-    translations, so each page the glue touches next walks the page tables again: a
-    few tens of nanoseconds on bare metal, up to ~1 us under nested virtualization,
-    which then multiplies a small model's per-token glue (docs/PERFORMANCE.md,
-    "Per-token overhead", seventeenth session). One thread; the stream is a numpy sum
-    over a part of a buffer twice its size, a new part each time."""
+    bookkeeping) whose code and data lie scattered over many lines. The stream evicts
+    them from the caches, so the glue then waits on memory line by line: ~0.1 us a line
+    on a quiet machine, several times that where other tenants load the memory, which
+    then multiplies a small model's per-token glue (docs/PERFORMANCE.md, "Per-token
+    overhead", seventeenth session). One thread; the stream is a numpy sum over a part of
+    a buffer twice its size, a new part each time."""
     import statistics
     import time
 
     import numpy as np
     n = stream_bytes // 4
     big = np.ones(2 * n, np.float32)
-    small = np.ones(pages * 4096, np.uint8)
-    idx = np.arange(pages) * 4096
+    small = np.ones(lines * 4096, np.uint8)
+    idx = np.arange(lines) * 4096
     first, hot = [], []
     for r in range(reps + 1):                   # the first round faults the pages in
         o = (r % 2) * n
