@@ -18,6 +18,10 @@ expert read in before timing:
                rep, their mean, and the rep's ratio against the bound it gives: on a
                shared host whose bandwidth drifts by a third within minutes, a probe
                taken beside the rep measures the machine the rep ran on
+  cold read    right after each rep: what one cache line read costs after a 128 MB
+               stream, above its hot cost (k3.probe.cold_reads_after_stream, the
+               doctor's probe; ns a line): the glue between a step's kernels reads its
+               code and data cold, so this moves the glue's share of the step
   kernels/layer, torch ops/layer
                numba kernel launches and torch (aten) ops of one decode step, counted in
                a separate untimed step, divided by the layers
@@ -48,6 +52,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (docs/
 import torch  # noqa: E402
 
 import k3  # noqa: E402
+from k3.probe import cold_reads_after_stream  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
 #: arm -> (preset, arch, layers, experts); realdims-kimi_linear has Kimi-Linear-48B's
@@ -205,6 +210,8 @@ def measure(arm: str, d: Path, args, tsv: Tsv, probe: Probe, bw: tuple[float, fl
             before = probe.read(3)
             steps = list(eng.decode(prompt, state=eng.new_state(), max_tokens=args.gen + 1))
             after = probe.read(3)
+            first, hot = cold_reads_after_stream(reps=5)
+            cold_ns = max(0.0, first - hot) / 256 * 1e3
             l1 = loadavg()
             dec = [s.seconds for s in steps[1:]]
             spt = statistics.mean(dec)
@@ -215,9 +222,10 @@ def measure(arm: str, d: Path, args, tsv: Tsv, probe: Probe, bw: tuple[float, fl
                     s_per_token=spt, s_median=statistics.median(dec), bytes_per_token=nbytes, bw_read_gbs=bw[0],
                     bw_copy_gbs=bw[1], bound_s=bound, ratio=spt / bound, kernels_per_layer=kern / eng.n_layers,
                     torch_ops_per_layer=ops / eng.n_layers, load_before=l0, load_after=l1, cpu=flags,
-                    bw_before_gbs=before, bw_after_gbs=after, ratio_beside=ratio_beside)
+                    bw_before_gbs=before, bw_after_gbs=after, ratio_beside=ratio_beside,
+                    cold_read_ns=cold_ns)
             print(f"{arm:22} rep {rep}: {spt * 1e3:8.2f} ms/token  bound {bound * 1e3:7.2f} ms  ratio {spt / bound:6.2f}  "
-                  f"beside: probe {before:4.1f}/{after:4.1f} GB/s ratio {ratio_beside:5.2f}  "
+                  f"beside: probe {before:4.1f}/{after:4.1f} GB/s ratio {ratio_beside:5.2f} cold read {cold_ns:4.0f} ns  "
                   f"kernels/layer {kern / eng.n_layers:5.1f}  torch ops/layer {ops / eng.n_layers:6.1f}  "
                   f"load {l0:.1f}->{l1:.1f}", file=sys.stderr)
         return out
@@ -250,7 +258,7 @@ def main(argv=None) -> int:
     tsv = Tsv(Path(args.tsv), ["arm", "code", "layers", "rep", "threads", "tokens", "s_per_token", "s_median",
                                "bytes_per_token", "bw_read_gbs", "bw_copy_gbs", "bound_s", "ratio",
                                "kernels_per_layer", "torch_ops_per_layer", "load_before", "load_after", "cpu",
-                               "bw_before_gbs", "bw_after_gbs", "ratio_beside"])
+                               "bw_before_gbs", "bw_after_gbs", "ratio_beside", "cold_read_ns"])
     summary = []
     for a in arms:
         reps = measure(a, dirs[a], args, tsv, probe, bw, flags, rev)
