@@ -44,6 +44,8 @@ import torch  # noqa: E402
 from numba import njit  # noqa: E402
 
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
+from k3.checkpoint.io import aligned_empty  # noqa: E402
+from k3.model.fused import route_topk  # noqa: E402
 
 MADV_NOHUGEPAGE = 15
 
@@ -65,8 +67,9 @@ def _touch(a, npages):
     return s
 
 
-def small_pages(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """An anonymous mapping on 4 KiB pages (THP declined where the kernel allows it), touched."""
+def small_pages(nbytes: int) -> np.ndarray:
+    """An anonymous mapping on 4 KiB pages (THP declined where the kernel allows it), touched
+    (the array keeps the mapping alive)."""
     mm = mmap.mmap(-1, nbytes)
     try:
         libc = ctypes.CDLL(None)
@@ -76,7 +79,7 @@ def small_pages(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
         pass
     a = np.frombuffer(mm, np.uint8)
     a[:] = 1
-    return mm, a
+    return a
 
 
 def main(argv=None) -> int:
@@ -90,22 +93,19 @@ def main(argv=None) -> int:
     sizes = [float(s) for s in args.sizes.split(",")]
     pages = [int(p) for p in args.pages.split(",")]
 
-    from k3.checkpoint.io import aligned_empty
-    from k3.model.fused import route_topk
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one core streams and calls, as decode's glue runs on one
     try:
-        return _run(args, sizes, pages, aligned_empty, route_topk)
+        return _run(args, sizes, pages)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args, sizes, pages, aligned_empty, route_topk) -> int:
+def _run(args, sizes, pages) -> int:
     # four times the largest stream (at least 64 MB), so each stream reads a cold part
     big = np.frombuffer(aligned_empty(max(64 << 20, int(4 * max(sizes) * (1 << 20))), huge=True), np.float32)
     big[:] = 1.0
-    _mm, small = small_pages(max(pages) * 4096)
+    small = small_pages(max(pages) * 4096)
     logits, bias = torch.randn(1, 64), torch.randn(64)
     _stream(big[:64]), _touch(small, 1), route_topk(logits, bias, 8, True, 2.5)   # compile / warm
 

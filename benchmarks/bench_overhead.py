@@ -52,7 +52,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (docs/
 import torch  # noqa: E402
 
 import k3  # noqa: E402
-from k3.probe import cold_reads_after_stream  # noqa: E402
+from k3.probe import COLD_LINES, cold_reads_after_stream  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
 #: arm -> (preset, arch, layers, experts); realdims-kimi_linear has Kimi-Linear-48B's
@@ -211,7 +211,7 @@ def measure(arm: str, d: Path, args, tsv: Tsv, probe: Probe, bw: tuple[float, fl
             steps = list(eng.decode(prompt, state=eng.new_state(), max_tokens=args.gen + 1))
             after = probe.read(3)
             first, hot = cold_reads_after_stream(reps=5)
-            cold_ns = max(0.0, first - hot) / 256 * 1e3
+            cold_ns = max(0.0, first - hot) / COLD_LINES * 1e3
             l1 = loadavg()
             dec = [s.seconds for s in steps[1:]]
             spt = statistics.mean(dec)

@@ -170,11 +170,11 @@ def check_cpu(rep: Report) -> None:
         pass
     cold = None
     try:
-        from .probe import SLOW_READ_US, cold_reads_after_stream
+        from .probe import COLD_LINES, SLOW_READ_US, cold_reads_after_stream
         first, hot = cold_reads_after_stream()
-        cold = {"lines": 256, "first_us": first, "hot_us": hot}
-        per = max(0.0, first - hot) / 256
-        lines.append(f"cold reads after a weight stream: 256 lines {first:.0f} us, again {hot:.0f} us "
+        cold = {"lines": COLD_LINES, "first_us": first, "hot_us": hot}
+        per = max(0.0, first - hot) / COLD_LINES
+        lines.append(f"cold reads after a weight stream: {COLD_LINES} lines {first:.0f} us, again {hot:.0f} us "
                      f"({per * 1e3:.0f} ns a line)")
         if per > SLOW_READ_US:
             rep.warnings.append(

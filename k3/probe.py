@@ -271,9 +271,12 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
 
 #: above this many microseconds a line, the doctor says cold reads are slow here
 SLOW_READ_US = 0.4
+#: the lines cold_reads_after_stream reads by default
+COLD_LINES = 256
 
 
-def cold_reads_after_stream(stream_bytes: int = 128 << 20, lines: int = 256, reps: int = 7) -> tuple[float, float]:
+def cold_reads_after_stream(stream_bytes: int = 128 << 20, lines: int = COLD_LINES,
+                            reps: int = 7) -> tuple[float, float]:
     """What reading ``lines`` cache lines, one in each of as many 4 KiB pages, costs right
     after a weight-sized stream, and at once again: (first, hot) in microseconds,
     medians of ``reps``.
