@@ -225,7 +225,8 @@ def measure(arm: str, d: Path, args, tsv: Tsv, probe: Probe, bw: tuple[float, fl
                     bw_before_gbs=before, bw_after_gbs=after, ratio_beside=ratio_beside,
                     cold_read_ns=cold_ns)
             print(f"{arm:22} rep {rep}: {spt * 1e3:8.2f} ms/token  bound {bound * 1e3:7.2f} ms  ratio {spt / bound:6.2f}  "
-                  f"beside: probe {before:4.1f}/{after:4.1f} GB/s ratio {ratio_beside:5.2f} cold read {cold_ns:4.0f} ns  "
+                  f"beside: probe {before:4.1f}/{after:4.1f} GB/s ratio {ratio_beside:5.2f} "
+                  f"cold read {cold_ns:4.0f} ns  "
                   f"kernels/layer {kern / eng.n_layers:5.1f}  torch ops/layer {ops / eng.n_layers:6.1f}  "
                   f"load {l0:.1f}->{l1:.1f}", file=sys.stderr)
         return out
