@@ -717,6 +717,58 @@ def test_kda_decode_equals_the_calls_one_by_one(lower_bound, T, threads):
         assert S0 is None or same(S0, keep)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("low_rank_gate", [False, True])
+def test_kda_decode_layer_equals_the_separate_calls(lower_bound, low_rank_gate, threads):
+    """The whole one-token KDA step in one parallel region (projections, the gate's
+    second projections, kda_decode, the output projection) against the same steps as
+    separate calls, bit for bit: from zero and from carried states, with K3's low-rank
+    gate and Kimi-Linear's full-rank one; on one thread the region's second iteration
+    runs after the first, which then has claimed every piece (no wait, no deadlock)."""
+    g = torch.Generator().manual_seed(3 + low_rank_gate + (0 if lower_bound is None else 5))
+    H, dk, dv, d, r, K = 4, 32, 24, 200, 40, 4
+    x = _x(g, 1, d) * 2.0
+    gate_rows = r if low_rank_gate else H * dv
+    ws = [_bf16(g, n, d) for n in (H * dk, H * dk, H * dv, r, H, gate_rows)]
+    f_b = _bf16(g, H * dk, r)
+    g_b = _bf16(g, H * dv, r) if low_rank_gate else None
+    o_w = _bf16(g, d, H * dv)
+    conv = [torch.randn(c, 1, K, generator=g) for c in (H * dk, H * dk, H * dv)]
+    a_log, dtb = torch.randn(H, generator=g) * 0.5, torch.randn(H * dk, generator=g)
+    ow = (1 + 0.1 * torch.randn(dv, generator=g)).to(torch.bfloat16)
+    for S0, states in ((None, [None] * 3),
+                       (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, c.shape[0], generator=g) for c in conv])):
+        keep = None if S0 is None else S0.clone()
+        got = fused.kda_decode_layer(x, ws, f_b, g_b, conv, states, 1e-6, dk ** -0.5, a_log, dtb, H, lower_bound,
+                                     S0, torch.empty(H, dk, dv), ow, 1e-5, o_w)
+        q_in, k_in, v_in, f_a, b, z = ops.linears(x, ws)
+        u = ops.linear(f_a, f_b)
+        if g_b is not None:
+            z = ops.linear(z, g_b)
+        o, S, news = fused.kda_decode([q_in, k_in, v_in], conv, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H,
+                                      lower_bound, S0, torch.empty(H, dk, dv), ow, 1e-5, z)
+        want = ops.linear(o, o_w)
+        if got is None:
+            assert not fused.USE_VML
+            continue
+        assert same(got[0], want) and same(got[1], S)
+        assert len(got[2]) == 3 and all(same(a, n) for a, n in zip(got[2], news))
+        assert S0 is None or same(S0, keep)
+
+
+def test_kda_decode_layer_declines_what_it_does_not_take():
+    """Not one token, or a weight that is not a contiguous bf16 matrix: None (the caller
+    runs the separate calls)."""
+    g = torch.Generator().manual_seed(1)
+    H, dk, dv, d = 2, 8, 8, 16
+    ws = [_bf16(g, n, d) for n in (H * dk, H * dk, H * dv, 8, H, H * dv)]
+    args = (_bf16(g, H * dk, 8), None, [torch.randn(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6,
+            0.5, torch.zeros(H), torch.zeros(H * dk), H, None, None, None, torch.ones(dv), 1e-5, _bf16(g, d, H * dv))
+    assert fused.kda_decode_layer(_x(g, 2, d), ws, *args) is None
+    assert fused.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].float()], *args) is None
+    assert fused.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].t().contiguous().t()], *args) is None
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_fused_kda_recurrent(T, threads):
     g = torch.Generator().manual_seed(T)

@@ -30,6 +30,7 @@ from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I3
                           _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
                           described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
+from ..quant import region
 from ..quant.kcache import enter as _cache_enter, leave as _cache_leave
 
 _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
@@ -1757,6 +1758,101 @@ def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_
          *args, np.empty(T * H * dk, np.float32), S0n, into.numpy(), np.empty((T, H, dv), np.float32),
          described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
     return torch.from_numpy(out.reshape(z.shape)), into, [torch.from_numpy(n) for n in news]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _kda_layer1(tab, p0, p1, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b,
+                beta, un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
+    """kda_decode_layer's region: table rows 0 .. p0-1 (the projections of the input),
+    p0 .. p1-1 (the gate's second projections), then the steps of ``_kda_decode1``
+    (inputs and decay on one thread, the recurrence's heads in two halves, the gated
+    norm on one thread), then the rows from p1 (the output projection); pieces of
+    k3.quant.region, claimed by whichever thread comes first."""
+    fl = region.flags(10)
+    T, Hk = beta.shape
+    for i in prange(2):
+        c = np.int64(i)   # (a prange index may be unsigned: 1 - c would be a float)
+        region.bf16_step(tab, 0, p0, fl, 0, c)
+        region.bf16_step(tab, p0, p1, fl, 2, c)
+        if region.claim(fl, 4):
+            _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
+                           un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
+            region.finish(fl, 4)
+        region.wait(fl, 4)
+        q3, k3, v3, e3 = q.reshape(T, Hk, -1), k.reshape(T, Hk, -1), v.reshape(T, Hk, -1), eg.reshape(T, Hk, -1)
+        hm = Hk // 2
+        for j in range(2):
+            h = c if j == 0 else 1 - c
+            if region.claim(fl, 5 + h):
+                for hh in range(0 if h == 0 else hm, hm if h == 0 else Hk):
+                    _kda_head(S0, e3, k3, beta, v3, q3, S, o, hh)
+                region.finish(fl, 5 + h)
+        region.wait(fl, 5)
+        region.wait(fl, 6)
+        if region.claim(fl, 7):
+            _norm_gate1(o.reshape(-1, o.shape[2]), eps, ow, z, y, out)
+            region.finish(fl, 7)
+        region.wait(fl, 7)
+        region.bf16_step(tab, p1, tab.shape[0], fl, 8, c)
+
+
+def _bf16_2d(w) -> bool:
+    return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
+
+
+def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_scale: float, a_log, dt_bias,
+                     n_heads: int, lower_bound: float | None, S0, into, o_norm_w, eps: float, o_w):
+    """KDA's whole one-token step after its input norm, in ONE parallel region (see
+    k3.quant.region): the projections of x [1, d] by ``ws`` (q, k, v, f_a, b and the
+    gate: g_proj, or g_a_proj when ``g_b`` is its second projection), the decay's
+    second projection ``f_b`` of f_a (and ``g_b`` of the gate's first), then
+    ``kda_decode`` (the same compiled steps in the same order), then the output
+    projection ``o_w``. Every number is the one the separate calls give (each product
+    by the one-token kernels' row code). Returns (y [1, d_out], the new state as
+    kda_decode gives it, [the new conv states]), or None where this is not the path (not
+    one token, a weight not a contiguous bf16 matrix, no fused math, shapes
+    kda_decode does not take): the caller then runs the steps as separate calls."""
+    H = n_heads
+    mats = list(ws) + [f_b, o_w] + ([g_b] if g_b is not None else [])
+    if (not USE_VML or x.dim() != 2 or x.shape[0] != 1 or len(ws) != 6 or not all(_bf16_2d(w) for w in mats)
+            or any(w.shape[1] != x.shape[1] for w in ws)):
+        return None
+    ns = [w.shape[0] for w in ws]
+    cq, ck, cv, fa, nb, ng = ns
+    if (cq % H or ck != cq or cv % H or nb != H or f_b.shape[1] != fa or f_b.shape[0] != cq
+            or (g_b is not None and (g_b.shape[1] != ng or g_b.shape[0] != cv)) or (g_b is None and ng != cv)
+            or o_w.shape[1] != cv):
+        return None
+    dk, dv = cq // H, cv // H
+    xn = _array(x)
+    P = np.empty(sum(ns), np.float32)
+    outs, off = [], 0
+    for n in ns:
+        outs.append(P[off:off + n].reshape(1, n))
+        off += n
+    q_in, k_in, v_in, f_a, b, z_a = outs
+    u = np.empty((1, cq), np.float32)
+    z = z_a if g_b is None else np.empty((1, cv), np.float32)
+    gated = np.empty(cv, np.float32)
+    y = np.empty(o_w.shape[0], np.float32)
+    rows = [region.bf16_row(xn, w, o) for w, o in zip(ws, outs)] + [region.bf16_row(f_a, f_b, u)]
+    if g_b is not None:
+        rows.append(region.bf16_row(z_a, g_b, z))
+    rows.append(region.bf16_row(gated, o_w, y))
+    tab = np.array(rows, np.int64)
+    xs3, wn, sn, news, acc = _conv_args([q_in, k_in, v_in], conv_ws, conv_states)
+    q = np.empty((H, dk), np.float32)
+    k = np.empty((H, dk), np.float32)
+    v = np.empty((1, cv), np.float32)
+    beta = np.empty((1, H), np.float32)
+    args = _decay_args(u, a_log, dt_bias, H, lower_bound)
+    S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
+    into = _state_into(into, S0, (H, dk, dv))
+    _kda_layer1(tab, 6, len(rows) - 1, *xs3, *wn, *sn, acc, np.empty_like(acc), *news, float(l2_eps),
+                described(scale_gain(dk, q_scale), _gain_array), q, k, v, b.reshape(1, H), beta, *args,
+                np.empty(H * dk, np.float32), S0n, into.numpy(), np.empty((1, H, dv), np.float32),
+                described(o_norm_w, _gain_array), float(eps), z.reshape(-1), np.empty((H, dv), np.float32), gated)
+    return torch.from_numpy(y).view(1, -1), into, [torch.from_numpy(n) for n in news]
 
 
 def warm() -> None:

@@ -17,7 +17,8 @@ import weakref
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import kda_decay as fused_kda_decay, kda_decode, kda_inputs, kda_recurrent_steps, norm_gate
+from .fused import (kda_decay as fused_kda_decay, kda_decode, kda_decode_layer, kda_inputs, kda_recurrent_steps,
+                    norm_gate)
 from .ops import grouped_linear, linear, linears
 
 CHUNK = 16
@@ -194,10 +195,22 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     T = x.shape[0]
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     st = st if st is not None else KDAState()
-    # every projection of x in one kernel call
     gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
-    q_in, k_in, v_in, f_a, b, z = linears(x, [w[f"self_attn.{n}.weight"] for n in (
-        "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]])
+    ws = [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
+    if T == 1 and not chunked and st.record is None:  # decode: the whole step in one parallel region
+        step = kda_decode_layer(x, ws, w["self_attn.f_b_proj.weight"],
+                                None if cfg.kda_full_rank_gate else w["self_attn.g_b_proj.weight"],
+                                [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"],
+                                [st.conv_q, st.conv_k, st.conv_v], KDA_L2_EPS, D ** -0.5, w["self_attn.A_log"],
+                                w["self_attn.dt_bias"], H, cfg.gate_lower_bound, st.S,
+                                _pool_take((H, ws[0].shape[0] // H, ws[2].shape[0] // H)),
+                                w["self_attn.o_norm.weight"], cfg.rms_norm_eps, w["self_attn.o_proj.weight"])
+        if step is not None:
+            y, S, (st.conv_q, st.conv_k, st.conv_v) = step
+            st.advance(S)
+            return y
+    # every projection of x in one kernel call
+    q_in, k_in, v_in, f_a, b, z = linears(x, ws)
     f_b = w["self_attn.f_b_proj.weight"]
     if cfg.kda_full_rank_gate:
         u = linear(f_a, f_b)

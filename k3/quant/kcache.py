@@ -24,7 +24,7 @@ from numba.core import config
 from .. import env
 
 #: every file with numba-compiled kernel code, relative to the k3 package
-KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "model/fused.py", "model/vml.py")
+KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "quant/region.py", "model/fused.py", "model/vml.py")
 
 _PKG = Path(__file__).resolve().parent.parent
 _DIR: str | None = None
