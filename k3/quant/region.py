@@ -23,7 +23,7 @@ claim word and done word on separate cache lines).
     claim(flags, s) -> bool     # piece s is mine (first caller only)
     finish(flags, s)            # piece s done: its writes visible to a waiter
     wait(flags, s)              # until piece s, if claimed, is done
-    bf16_half(tab, r, h)        # half h of the one-token BF16 product in row r of a table
+    bf16_step(tab, r0, r1, ...)  # table rows r0..r1-1 of one-token BF16 products, in halves
 """
 
 from __future__ import annotations
@@ -132,19 +132,16 @@ def wait(fl, s):
 
 _f32_ptr = address_intrinsic(types.float32)
 
-# Columns of a one-token BF16 table (int64 [n, 5]): row r multiplies x [1, K] at
-# address T_X by W [N, K] (bf16 bits at T_W) into N floats at T_OUT.
-T_K, T_N, T_W, T_X, T_OUT = range(5)
+# Columns of a one-token BF16 step table (int64 [n, 6]): row r multiplies a [1, K] input
+# by W [N, K] (bf16 bits at address T_W) into N floats. The input is K floats at
+# offset T_XO of array T_XS (0: the op's input x, 1: its workspace), the output goes to
+# offset T_OO of array T_OS (1: the workspace, 2: the op's result y).
+T_K, T_N, T_W, T_XS, T_XO, T_OS, T_OO = range(7)
 
 
-def bf16_row(x: np.ndarray, w, out: np.ndarray) -> tuple:
-    """A table row: x a C-contiguous float32 [1, K] (or [K]) array, w a contiguous bf16
-    torch tensor [N, K], out a float32 array of N (all kept alive by the caller while
-    the table is used)."""
-    N, K = w.shape
-    if x.size != K or out.size != N or x.dtype != np.float32 or out.dtype != np.float32:
-        raise ValueError(f"bf16_row: x of {x.size}, out of {out.size} for a [{N}, {K}] weight")
-    return K, N, w.data_ptr(), x.ctypes.data, out.ctypes.data
+@njit(cache=True, nogil=True, inline="always")
+def _pick(k, x, work, y):
+    return x if k == 0 else (work if k == 1 else y)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -153,23 +150,24 @@ def _split(N):
 
 
 @njit(cache=True, nogil=True)
-def bf16_half(tab, r, h):
-    """Half h (0: the first rows, 1: the rest) of row r's product, by the one-token
-    kernels' own row code (``k3.quant.bf16._t1_rows``): each output has the bits
-    ``bf16_linear`` gives it."""
+def bf16_half(tab, r, h, x, work, y):
+    """Half h (0: the first rows, 1: the rest) of row r's product (x, work, y float32
+    1-D arrays, see the T_* columns), by the one-token kernels' own row code
+    (``k3.quant.bf16._t1_rows``): each output has the bits ``bf16_linear`` gives it."""
     K, N = tab[r, T_K], tab[r, T_N]
-    x = numba.carray(_f32_ptr(tab[r, T_X]), (1, K))
+    src, dst = _pick(tab[r, T_XS], x, work, y), _pick(tab[r, T_OS], x, work, y)
+    xv = numba.carray(_f32_ptr(src.ctypes.data + 4 * tab[r, T_XO]), (1, K))
     w = numba.carray(_i16_ptr(tab[r, T_W]), (N, K))
-    out = numba.carray(_f32_ptr(tab[r, T_OUT]), (N,))
+    out = numba.carray(_f32_ptr(dst.ctypes.data + 4 * tab[r, T_OO]), (N,))
     m = _split(N)
     if h == 0:
-        _t1_rows(x, 0, w, out, 0, 0, m)
+        _t1_rows(xv, 0, w, out, 0, 0, m)
     else:
-        _t1_rows(x, 0, w, out, 0, m, N)
+        _t1_rows(xv, 0, w, out, 0, m, N)
 
 
 @njit(cache=True, nogil=True)
-def bf16_step(tab, r0, r1, fl, s, c):
+def bf16_step(tab, r0, r1, x, work, y, fl, s, c):
     """Table rows r0 .. r1-1 as one step of a region, pieces s (first halves) and s + 1
     (second halves), called by thread c of the region's two: its own half first, the
     other if still unclaimed; returns when both are done."""
@@ -177,7 +175,7 @@ def bf16_step(tab, r0, r1, fl, s, c):
         h = c if k == 0 else 1 - c
         if claim(fl, s + h):
             for r in range(r0, r1):
-                bf16_half(tab, r, h)
+                bf16_half(tab, r, h, x, work, y)
             finish(fl, s + h)
     wait(fl, s)
     wait(fl, s + 1)
