@@ -31,8 +31,11 @@ from .vml import sexp8, sexp16, vexp, vlog, vtanh
 from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I32, _I64, _ISA, _V,
                           _as_f32_activations, _bf16_matrix, _data_ptr, _fma, _launch_t1, _threads, _row_ptr, _vfma, _vload,
                           _vstore, F32_ONLY, W_DTYPES, c_matrix, counted_loop,
-                          described, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec)
+                          described, empty64, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec,
+                          _i16_ptr, _t1_rows)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
+from ..quant.mxfp4 import (_SF_ROWS, _u8_ptr, perm_steps, split_evens_odds, t1_perm,
+                           _t1_rows as _mx_t1_rows)
 from ..quant import region
 from ..quant.kcache import enter as _cache_enter, leave as _cache_leave
 
@@ -1070,6 +1073,149 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.n
     y = np.empty(n * K, np.float32)
     run(h, jobs2, y, n * K * inter, tmax)
     return y
+
+
+@njit(cache=True, nogil=True)
+def _chains(d, K):
+    """Whether expert descriptors d [G, 3, ncols] chain on K input features: gate and up
+    [n, K], down [K, n], one n for every expert (``_ffn_jobs``' check)."""
+    na = d.shape[2] - 1
+    inter = d[0, 0, 0]
+    for g in range(d.shape[0]):
+        for h in range(3):
+            if d[g, h, 0] != (K if h == 2 else inter) or d[g, h, na] != (inter if h == 2 else K):
+                return False
+    return inter > 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
+    """Every row of one expert matrix (descriptor dd: bf16 (n, address, K) or mxfp4 (n,
+    packed, scale, 2P)) times row ``row`` of x2 [M, K] (split into xe, xo, xep, xop for
+    mxfp4) into out[off:], by the one-token kernels' own row code."""
+    na = dd.shape[0] - 1
+    N, K = dd[0], dd[na]
+    if na == 2:
+        _t1_rows(x2, row, numba.carray(_i16_ptr(dd[1]), (N, K)), out, off, 0, N)
+    else:
+        P = K // 2
+        _mx_t1_rows(xe, xo, xep, xop, row, numba.carray(_u8_ptr(dd[1]), (N, P)),
+                    numba.carray(_u8_ptr(dd[2]), (N, P // 16)), out, off, 0, N, sfs)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb, tab, mode, y):
+    """moe_decode's region: the experts' gate and up products (gates on one half, ups on
+    the other), their GLU (one thread), the down products (the experts in two halves),
+    ``_moe_mix1`` (one thread), the table's BF16 rows (latent up-projection, shared
+    expert's down projection: each in halves), the sum (one thread). ``mode``: y is the
+    up-projection (0), plus the shared expert's down (1), the mix plus it (2), the mix (3)."""
+    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
+    mx = d.shape[2] == 4
+    gu = np.empty(2 * G * inter, np.float32)
+    hx = np.empty((G, inter), np.float32)
+    contrib = np.empty((1, G, dz), np.float32)
+    work = np.empty(dz + inter_s + n_out, np.float32)
+    wp = work.ctypes.data
+    r = numba.carray(_f32p(wp), (1, dz))
+    hs = numba.carray(_f32p(wp + 4 * dz), (1 if inter_s else 0, inter_s))
+    down = numba.carray(_f32p(wp + 4 * (dz + inter_s)), (n_out,))
+    P1, P3 = (dz // 2, inter // 2) if mx else (0, 0)
+    ze, zo = empty64(P1).reshape((1, P1)), empty64(P1).reshape((1, P1))
+    he, ho = empty64(G * P3).reshape((G, P3)), empty64(G * P3).reshape((G, P3))
+    zep, zop = (empty64(P1).reshape((1, P1)), empty64(P1).reshape((1, P1))) if mx and t1_perm(P1) else (ze, zo)
+    hep, hop = (empty64(G * P3).reshape((G, P3)), empty64(G * P3).reshape((G, P3))) if mx and t1_perm(P3) \
+        else (he, ho)
+    if mx:
+        split_evens_odds(z, ze, zo)
+        if t1_perm(P1):
+            perm_steps(ze, zo, zep, zop)
+    gm = G // 2
+    zf = z.reshape(-1)
+    fl = region.flags(9)
+    for i in prange(2):
+        c = np.int64(i)   # (a prange index may be unsigned: 1 - c would be a float)
+        sfs = np.empty((_SF_ROWS, max(P1, P3) // 16), np.float32)
+        for j in range(2):
+            h = c if j == 0 else 1 - c
+            if region.claim(fl, h):          # gates (h = 0) or ups (h = 1), gate | up as expert_ffn lays them
+                for g in range(G):
+                    _expert_matrix(d[g, h], z, ze, zo, zep, zop, 0, gu, (h * G + g) * inter, sfs)
+                region.finish(fl, h)
+        region.wait(fl, 0)
+        region.wait(fl, 1)
+        if region.claim(fl, 2):
+            _glu_into(gu, hx, situ, beta, lb, has_lb)
+            if mx:
+                split_evens_odds(hx, he, ho)
+                if t1_perm(P3):
+                    perm_steps(he, ho, hep, hop)
+            region.finish(fl, 2)
+        region.wait(fl, 2)
+        for j in range(2):
+            h = c if j == 0 else 1 - c
+            if region.claim(fl, 3 + h):
+                for g in range(0 if h == 0 else gm, gm if h == 0 else G):
+                    _expert_matrix(d[g, 2], hx, he, ho, hep, hop, g, contrib.reshape(-1), g * dz, sfs)
+                region.finish(fl, 3 + h)
+        region.wait(fl, 3)
+        region.wait(fl, 4)
+        if region.claim(fl, 5):
+            _moe_mix1(contrib, wts, r, norm, eps, nw, gu_s, hs, situ, beta, lb, has_lb)
+            region.finish(fl, 5)
+        region.wait(fl, 5)
+        region.bf16_step(tab, 0, tab.shape[0], zf, work, y, fl, 6, c)
+        if region.claim(fl, 8):
+            if mode == 1:
+                for t in range(n_out):
+                    y[t] = y[t] + down[t]
+            elif mode == 2:
+                for t in range(n_out):
+                    y[t] = r[0, t] + down[t]
+            elif mode == 3:
+                for t in range(n_out):
+                    y[t] = r[0, t]
+            region.finish(fl, 8)
+        region.wait(fl, 8)
+
+
+def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: tuple | None, up_w, down_w):
+    """An MoE block's one-token step after the router and the expert fetch, in ONE
+    parallel region (k3.quant.region): the routed experts (descriptors ``descs`` [k, 3,
+    ...] in top-k order, every expert of one kernel format: ``expert_ffn``'s products
+    and GLU), ``moe_mix`` (their weighted sum wts [1, k], the latent norm with norm_w,
+    the shared expert's GLU of shared_gu = (gate, up) [1, inter]), the latent
+    up-projection ``up_w`` (bf16 [d, latent]) and the shared expert's down projection
+    ``down_w`` (bf16 [d, inter]) where the model has them, and their sum: the bits of
+    those calls one by one (each product by the one-token kernels' row code). z: the
+    experts' input [1, latent] (fp32). Returns y [1, d], or None where this is not the
+    path (no fused math, not one token, projections not contiguous bf16 matrices,
+    descriptors that do not chain on z)."""
+    if not USE_VML or z.dim() != 2 or z.shape[0] != 1 or descs.ndim != 3 or descs.shape[0] == 0:
+        return None
+    zn = _array(z)
+    dz = zn.shape[1]
+    if not _chains(descs, dz) or descs.shape[2] == 4 and (dz % 2 or descs[0, 0, 0] % 2):
+        return None
+    if any(w is not None and not _bf16_2d(w) for w in (up_w, down_w)):
+        return None
+    inter_s = 0 if shared_gu is None else shared_gu[0].shape[-1]
+    n_out = up_w.shape[0] if up_w is not None else dz
+    if ((up_w is not None and up_w.shape[1] != dz) or (down_w is not None and down_w.shape != (n_out, inter_s))
+            or (down_w is None) != (shared_gu is None)):
+        return None
+    rows = []
+    if up_w is not None:
+        rows.append((dz, n_out, up_w.data_ptr(), 1, 0, 2, 0))
+    if down_w is not None:
+        rows.append((inter_s, n_out, down_w.data_ptr(), 1, dz, 1, dz + inter_s))
+    mode = (1 if down_w is not None else 0) if up_w is not None else (2 if down_w is not None else 3)
+    tab = np.array(rows, np.int64).reshape(len(rows), 7)
+    y = np.empty(n_out, np.float32)
+    _moe_decode1(zn, descs, _array(wts), norm_w is not None, float(eps),
+                 _NO_GAIN if norm_w is None else described(norm_w, _gain_array),
+                 _NO_GAIN if shared_gu is None else _gate_up(*shared_gu), inter_s, *_glu_params(situ), tab, mode, y)
+    return torch.from_numpy(y).view(1, n_out)
 
 
 def _shape_of(w) -> str:

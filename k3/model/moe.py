@@ -15,11 +15,13 @@ a per-expert loop of linear calls bit for bit (tests/test_fused.py).
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
 from ..quant.bf16 import described
-from .fused import expert_descriptors, expert_ffn, moe_mix, route_topk
+from .fused import expert_descriptors, expert_ffn, moe_decode, moe_mix, route_topk
 from .ops import glu_act, kernel_format, linear, linears, mlp
 
 
@@ -55,13 +57,14 @@ def _group_format(ews) -> tuple[str | None, np.ndarray | None]:
     return fmt, np.array([k[2] for k in kinds])
 
 
-def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider) -> torch.Tensor:
+def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider, groups=None) -> torch.Tensor:
     """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
     of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
     are one run of rows; gate and up of every expert in one call, the GLU over all
     pairs at once, down in one call (expert_ffn). One token (decode) needs no sort:
     its k experts are distinct, each reads row 0 of z, and its pairs are already in
-    top-k order."""
+    top-k order. ``groups``: the provider's expert groups for these ids when the caller
+    has started reading them."""
     T, k = ids.shape
     d = z.shape[1]
     flat = ids.numpy().reshape(-1)
@@ -77,7 +80,7 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
         x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
         dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
     contrib, every = None, list(range(T * k))
-    for group in provider.expert_groups(layer, experts):
+    for group in provider.expert_groups(layer, experts) if groups is None else groups:
         if not group:
             continue
         es, ews = list(group), list(group.values())
@@ -124,8 +127,23 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> t
     # the weighted sum of the contributions, the latent norm and the shared expert's GLU: one call
     situ = _situ(cfg)
     norm_w = w[p + "routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None
-    r, h = moe_mix(routed_experts(cfg, z, ids, layer, provider), wts, norm_w, cfg.rms_norm_eps,
-                   outs[-2:] if cfg.num_shared_experts else None, situ)
+    shared_gu = outs[-2:] if cfg.num_shared_experts else None
+    groups = None
+    if x.shape[0] == 1:  # decode: experts, mix and projections in one parallel region when they allow it
+        experts = ids.numpy().reshape(-1).tolist()
+        groups = iter(provider.expert_groups(layer, experts))
+        first = next(groups, None)
+        if first is not None and list(first) == experts:
+            fmt, descs = _group_format(list(first.values()))
+            y = None if fmt is None else moe_decode(
+                z, descs, wts, norm_w, cfg.rms_norm_eps, shared_gu, situ,
+                w[p + "routed_expert_up_proj.weight"] if latent else None,
+                w[s + "down_proj.weight"] if cfg.num_shared_experts else None)
+            if y is not None:
+                return y
+        groups = groups if first is None else chain([first], groups)
+    r, h = moe_mix(routed_experts(cfg, z, ids, layer, provider, groups), wts, norm_w, cfg.rms_norm_eps,
+                   shared_gu, situ)
     if latent:
         r = linear(r, w[p + "routed_expert_up_proj.weight"])
     if cfg.num_shared_experts:

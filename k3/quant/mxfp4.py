@@ -755,10 +755,7 @@ def _split_x(x, jobs):
     P = C // 2
     xe = empty64(M * P).reshape((M, P))
     xo = empty64(M * P).reshape((M, P))
-    for t in range(M):
-        for p in range(P):
-            xe[t, p] = x[t, 2 * p]
-            xo[t, p] = x[t, 2 * p + 1]
+    split_evens_odds(x, xe, xo)
     few = False
     if _W16 and P % LANES == 0:
         for g in range(jobs.shape[0]):
@@ -768,12 +765,34 @@ def _split_x(x, jobs):
         return xe, xo, xe, xo
     xep = empty64(M * P).reshape((M, P))
     xop = empty64(M * P).reshape((M, P))
-    for t in range(M):
-        for j in range(0, P, LANES):
+    perm_steps(xe, xo, xep, xop)
+    return xe, xo, xep, xop
+
+
+@njit(cache=True, nogil=True, inline="always")
+def split_evens_odds(x, xe, xo):
+    """xe / xo [M, P] = the even / odd elements of x [M, 2P]."""
+    for t in range(x.shape[0]):
+        for p in range(xe.shape[1]):
+            xe[t, p] = x[t, 2 * p]
+            xo[t, p] = x[t, 2 * p + 1]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def perm_steps(xe, xo, xep, xop):
+    """xep / xop = xe / xo in the W_PERM order of each 64-lane step (what the AVX2
+    decode of one to _NTF tokens reads)."""
+    for t in range(xe.shape[0]):
+        for j in range(0, xe.shape[1], LANES):
             for i in range(LANES):
                 xep[t, j + i] = xe[t, j + _W_PERM_ARR[i]]
                 xop[t, j + i] = xo[t, j + _W_PERM_ARR[i]]
-    return xe, xo, xep, xop
+
+
+@njit(cache=True, nogil=True, inline="always")
+def t1_perm(P):
+    """Whether the one-token decode of rows of P bytes reads x in the W_PERM order too."""
+    return _W16 and P % LANES == 0
 
 
 @njit(cache=True, nogil=True, inline="always")
