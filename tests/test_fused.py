@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import k3
 from k3.config import parse_config
 from k3.model import fused, kda, ops, vml
 from k3.model.moe import routed_experts
@@ -171,6 +172,55 @@ def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads, math_fo
     assert same(routed_experts(cfg, z, ids, 1, GroupedWeights(cfg, tensors, 3)), ref)
     # a token alone gets the bits it gets in the batch
     assert same(routed_experts(cfg, z[-1:], ids[-1:], 1, DictWeights(cfg, tensors)), ref[-1:])
+
+
+@pytest.mark.parametrize("arch,fmt", [("k3", "mxfp4"), ("kimi_linear", "bf16")])
+@pytest.mark.parametrize("latent,shared", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("situ", [None, (4.0, 25.0)])
+def test_moe_decode_equals_the_separate_calls(arch, fmt, latent, shared, situ, threads):
+    """One token's experts, mix and projections in one parallel region (fused.moe_decode)
+    against expert_ffn, moe_mix, the latent up-projection, the shared expert's down
+    projection and their sum as separate calls, bit for bit; with and without the
+    latent up-projection and the shared expert, SiLU- and SiTU-GLU, MXFP4 and BF16
+    experts; on one thread the region's second iteration finds every piece done."""
+    from k3.model.moe import _group_format
+    cfg, tensors, g, dz = _moe_case(arch, fmt, 11)
+    k, inter_s = cfg.num_experts_per_token, 48
+    n_out = 72 if latent else dz
+    ids = torch.randperm(cfg.num_experts, generator=g)[:k].tolist()
+    ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, ids))).values())
+    fmt_got, descs = _group_format(ews)
+    assert fmt_got == fmt
+    z = _x(g, 1, dz) * 3.0
+    wts = torch.rand(1, k, generator=g)
+    norm_w = (1 + 0.1 * torch.randn(dz, generator=g)).to(torch.bfloat16) if latent else None
+    shared_gu = (torch.randn(1, inter_s, generator=g), torch.randn(1, inter_s, generator=g)) if shared else None
+    up_w = _bf16(g, n_out, dz) if latent else None
+    down_w = _bf16(g, n_out, inter_s) if shared else None
+    got = fused.moe_decode(z, descs, wts, norm_w, 1e-5, shared_gu, situ, up_w, down_w)
+    contrib = torch.from_numpy(fused.expert_ffn(fmt, z, [e.w1 for e in ews], [e.w3 for e in ews],
+                                                [e.w2 for e in ews], [(0, 1)] * k, situ)).view(1, k, dz)
+    r, h = fused.moe_mix(contrib, wts, norm_w, 1e-5, shared_gu, situ)
+    if latent:
+        r = ops.linear(r, up_w)
+    want = r + ops.linear(h, down_w) if shared else r
+    if got is None:
+        assert not fused.USE_VML
+        return
+    assert same(got, want)
+
+
+def test_moe_decode_declines_what_it_does_not_take():
+    """More than one token, experts that do not chain on the input, an F32 projection:
+    None (the caller runs the separate calls)."""
+    from k3.model.moe import _group_format
+    cfg, tensors, g, dz = _moe_case("k3", "mxfp4", 2)
+    ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, [0, 1]))).values())
+    _, descs = _group_format(ews)
+    wts = torch.rand(1, 2, generator=g)
+    assert fused.moe_decode(_x(g, 2, dz), descs, wts, None, 1e-5, None, None, None, None) is None
+    assert fused.moe_decode(_x(g, 1, dz + 64), descs, wts, None, 1e-5, None, None, None, None) is None
+    assert fused.moe_decode(_x(g, 1, dz), descs, wts, None, 1e-5, None, None, torch.randn(8, dz), None) is None
 
 
 @pytest.mark.parametrize("linear_beta", [None, 0.5])
@@ -887,3 +937,40 @@ def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
         monkeypatch.setattr(fused, "_SERIAL", limit)
         outs.append(run())
     assert same(outs[0], outs[1])
+
+
+class _SplitGroups:
+    """A provider handing its experts out in groups of ``size`` in a shuffled order (a
+    bounded expert cache's groups), everything else from ``inner``."""
+
+    def __init__(self, inner, size):
+        self.inner, self.size = inner, size
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def expert_groups(self, i, ids):
+        ids = list(ids)
+        np.random.default_rng(len(ids)).shuffle(ids)
+        for a in range(0, len(ids), self.size):
+            yield from self.inner.expert_groups(i, ids[a:a + self.size])
+
+
+@pytest.mark.parametrize("arch", ["k3", "kimi_linear"])
+def test_moe_block_one_token_whatever_the_expert_groups(arch, tmp_path, threads):
+    """moe_block on one token takes the one-region path when one group holds every
+    expert in top-k order, and the separate calls when a bounded cache hands them out
+    in smaller, shuffled groups (its first group already read): the same bits."""
+    from k3 import synth
+    from k3.model.moe import moe_block
+    d = synth.synthesize(tmp_path / "m", preset="tiny", arch=arch, seed=4)
+    with k3.load(d, threads=1, log=lambda *a, **k: None) as eng:
+        cfg, prov = eng.cfg, eng.provider
+        i = next(j for j in range(eng.n_layers) if cfg.is_moe(j))
+        w = prov.layer(i)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x = _x(g, 1, cfg.hidden_size) * 2.0
+            one = moe_block(cfg, w, x, i, prov)
+            assert same(moe_block(cfg, w, x, i, _SplitGroups(prov, 3)), one)
+        prov.release_layer(i)
