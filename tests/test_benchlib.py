@@ -45,3 +45,16 @@ def test_afterstream_writes_a_row_per_probe_and_stream_size(tmp_path):
         ("route_topk [1, 64] top-8", 1.0)]
     assert all(float(r["first_us"]) > 0 and float(r["hot_us"]) > 0 for r in rows)
     assert rows[0]["stream_gbs"] == "nan" and float(rows[1]["stream_gbs"]) > 0
+
+
+def test_oneregion_replays_a_decode_steps_calls_bit_for_bit(tmp_path):
+    """bench_oneregion captures one decode step's one-token BF16 calls and times them as
+    launches and as one region; a rep is written only when both give the same bits."""
+    import bench_oneregion
+    out = tmp_path / "o.tsv"
+    assert bench_oneregion.main(["--arms", "tiny-k3", "--reps", "2", "--cache", str(tmp_path / "models"),
+                                 "--tsv", str(out)]) == 0
+    head, *rows = [line.split("\t") for line in out.read_text().splitlines()]
+    rows = [dict(zip(head, r)) for r in rows]
+    assert [r["rep"] for r in rows] == ["0", "1"]
+    assert all(int(r["calls"]) > 0 and float(r["launches_ms"]) > 0 and float(r["region_ms"]) > 0 for r in rows)

@@ -178,6 +178,12 @@ def add_norm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor | None, eps: floa
     return torch.from_numpy(s.reshape(hn.shape)), torch.from_numpy(out.reshape(hn.shape))
 
 
+def _f32_gain(w: torch.Tensor) -> np.ndarray:
+    """A norm gain widened to fp32 (exact): what the regions take whatever the stored
+    dtype, so that each is compiled once (norm_rows widens a bf16 gain the same way)."""
+    return w.reshape(-1).to(torch.float32).numpy()
+
+
 def _gain_array(w: torch.Tensor) -> np.ndarray:
     """A norm gain as the kernel reads it: bf16 bits as stored (int16), else fp32."""
     w = w.reshape(-1)
@@ -1088,11 +1094,13 @@ def _chains(d, K):
     return inter > 0
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
     """Every row of one expert matrix (descriptor dd: bf16 (n, address, K) or mxfp4 (n,
     packed, scale, 2P)) times row ``row`` of x2 [M, K] (split into xe, xo, xep, xop for
-    mxfp4) into out[off:], by the one-token kernels' own row code."""
+    mxfp4) into out[off:], by the one-token kernels' own row code. (Callers pass row
+    as a variable, never a constant: numba compiles a function again for each constant
+    argument it is called with.)"""
     na = dd.shape[0] - 1
     N, K = dd[0], dd[na]
     if na == 2:
@@ -1101,6 +1109,58 @@ def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
         P = K // 2
         _mx_t1_rows(xe, xo, xep, xop, row, numba.carray(_u8_ptr(dd[1]), (N, P)),
                     numba.carray(_u8_ptr(dd[2]), (N, P // 16)), out, off, 0, N, sfs)
+
+
+@njit(cache=True, nogil=True)
+def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, mx, gu, hx, contrib,
+                      work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl):
+    """Thread c's part of ``_moe_decode1`` (a plain function: the region's loop body,
+    compiled once, not into the parallel loop's lowering)."""
+    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
+    sfs = np.empty((_SF_ROWS, max(P1, P3) // 16), np.float32)
+    for j in range(2):
+        h = c if j == 0 else 1 - c
+        if region.claim(fl, h):          # gates (h = 0) or ups (h = 1), gate | up as expert_ffn lays them
+            for g in range(G):
+                _expert_matrix(d[g, h], z, ze, zo, zep, zop, np.int64(0), gu, (h * G + g) * inter, sfs)
+            region.finish(fl, h)
+    region.wait(fl, 0)
+    region.wait(fl, 1)
+    if region.claim(fl, 2):
+        _glu_into(gu, hx, situ, beta, lb, has_lb)
+        if mx:
+            split_evens_odds(hx, he, ho)
+            if t1_perm(P3):
+                perm_steps(he, ho, hep, hop)
+        region.finish(fl, 2)
+    region.wait(fl, 2)
+    gm = G // 2
+    cf = contrib.reshape(-1)
+    for j in range(2):
+        h = c if j == 0 else 1 - c
+        if region.claim(fl, 3 + h):
+            for g in range(0 if h == 0 else gm, gm if h == 0 else G):
+                _expert_matrix(d[g, 2], hx, he, ho, hep, hop, g, cf, g * dz, sfs)
+            region.finish(fl, 3 + h)
+    region.wait(fl, 3)
+    region.wait(fl, 4)
+    if region.claim(fl, 5):
+        _moe_mix1(contrib, wts, r, norm, eps, nw, gu_s, hs, situ, beta, lb, has_lb)
+        region.finish(fl, 5)
+    region.wait(fl, 5)
+    region.bf16_step(tab, 0, tab.shape[0], z.reshape(-1), work, y, fl, 6, c)
+    if region.claim(fl, 8):
+        if mode == 1:
+            for t in range(n_out):
+                y[t] = y[t] + down[t]
+        elif mode == 2:
+            for t in range(n_out):
+                y[t] = r[0, t] + down[t]
+        elif mode == 3:
+            for t in range(n_out):
+                y[t] = r[0, t]
+        region.finish(fl, 8)
+    region.wait(fl, 8)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1130,53 +1190,10 @@ def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb
         split_evens_odds(z, ze, zo)
         if t1_perm(P1):
             perm_steps(ze, zo, zep, zop)
-    gm = G // 2
-    zf = z.reshape(-1)
     fl = region.flags(9)
     for i in prange(2):
-        c = np.int64(i)   # (a prange index may be unsigned: 1 - c would be a float)
-        sfs = np.empty((_SF_ROWS, max(P1, P3) // 16), np.float32)
-        for j in range(2):
-            h = c if j == 0 else 1 - c
-            if region.claim(fl, h):          # gates (h = 0) or ups (h = 1), gate | up as expert_ffn lays them
-                for g in range(G):
-                    _expert_matrix(d[g, h], z, ze, zo, zep, zop, 0, gu, (h * G + g) * inter, sfs)
-                region.finish(fl, h)
-        region.wait(fl, 0)
-        region.wait(fl, 1)
-        if region.claim(fl, 2):
-            _glu_into(gu, hx, situ, beta, lb, has_lb)
-            if mx:
-                split_evens_odds(hx, he, ho)
-                if t1_perm(P3):
-                    perm_steps(he, ho, hep, hop)
-            region.finish(fl, 2)
-        region.wait(fl, 2)
-        for j in range(2):
-            h = c if j == 0 else 1 - c
-            if region.claim(fl, 3 + h):
-                for g in range(0 if h == 0 else gm, gm if h == 0 else G):
-                    _expert_matrix(d[g, 2], hx, he, ho, hep, hop, g, contrib.reshape(-1), g * dz, sfs)
-                region.finish(fl, 3 + h)
-        region.wait(fl, 3)
-        region.wait(fl, 4)
-        if region.claim(fl, 5):
-            _moe_mix1(contrib, wts, r, norm, eps, nw, gu_s, hs, situ, beta, lb, has_lb)
-            region.finish(fl, 5)
-        region.wait(fl, 5)
-        region.bf16_step(tab, 0, tab.shape[0], zf, work, y, fl, 6, c)
-        if region.claim(fl, 8):
-            if mode == 1:
-                for t in range(n_out):
-                    y[t] = y[t] + down[t]
-            elif mode == 2:
-                for t in range(n_out):
-                    y[t] = r[0, t] + down[t]
-            elif mode == 3:
-                for t in range(n_out):
-                    y[t] = r[0, t]
-            region.finish(fl, 8)
-        region.wait(fl, 8)
+        _moe_decode1_part(np.int64(i), z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, mx, gu,
+                          hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
 
 
 def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: tuple | None, up_w, down_w):
@@ -1213,7 +1230,7 @@ def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: t
     tab = np.array(rows, np.int64).reshape(len(rows), 7)
     y = np.empty(n_out, np.float32)
     _moe_decode1(zn, descs, _array(wts), norm_w is not None, float(eps),
-                 _NO_GAIN if norm_w is None else described(norm_w, _gain_array),
+                 _NO_GAIN if norm_w is None else described(norm_w, _f32_gain),
                  _NO_GAIN if shared_gu is None else _gate_up(*shared_gu), inter_s, *_glu_params(situ), tab, mode, y)
     return torch.from_numpy(y).view(1, n_out)
 
@@ -1909,6 +1926,35 @@ def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_
     return torch.from_numpy(out.reshape(z.shape)), into, [torch.from_numpy(n) for n in news]
 
 
+@njit(cache=True, nogil=True)
+def _kda_layer1_part(c, x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps,
+                     qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0, S, o, ow, eps,
+                     z, yn, out, q3, k3, v3, e3, fl):
+    """Thread c's part of ``_kda_layer1`` (a plain function: the region's loop body,
+    compiled once, not into the parallel loop's lowering)."""
+    region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)
+    region.bf16_step(tab, p0, p1, x, work, y, fl, 2, c)
+    if region.claim(fl, 4):
+        _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
+                       un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg)
+        region.finish(fl, 4)
+    region.wait(fl, 4)
+    hm = H // 2
+    for j in range(2):
+        h = c if j == 0 else 1 - c
+        if region.claim(fl, 5 + h):
+            for hh in range(0 if h == 0 else hm, hm if h == 0 else H):
+                _kda_head(S0, e3, k3, beta, v3, q3, S, o, hh)
+            region.finish(fl, 5 + h)
+    region.wait(fl, 5)
+    region.wait(fl, 6)
+    if region.claim(fl, 7):
+        _norm_gate1(o.reshape(H, o.shape[2]), eps, ow, z, yn, out)
+        region.finish(fl, 7)
+    region.wait(fl, 7)
+    region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 8, c)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, lb, lb_mode, S0, S, ow, eps):
     """kda_decode_layer's region (``_KdaPlan`` has the table and the workspace layout):
@@ -1947,29 +1993,10 @@ def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, l
     yn = np.empty((H, dv), np.float32)
     q3, k3, v3, e3 = q.reshape(1, H, dk), k.reshape(1, H, dk), v.reshape(1, H, dv), eg.reshape(1, H, dk)
     fl = region.flags(10)
-    hm = H // 2
     for i in prange(2):
-        c = np.int64(i)   # (a prange index may be unsigned: 1 - c would be a float)
-        region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)
-        region.bf16_step(tab, p0, p1, x, work, y, fl, 2, c)
-        if region.claim(fl, 4):
-            _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
-                           un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg)
-            region.finish(fl, 4)
-        region.wait(fl, 4)
-        for j in range(2):
-            h = c if j == 0 else 1 - c
-            if region.claim(fl, 5 + h):
-                for hh in range(0 if h == 0 else hm, hm if h == 0 else H):
-                    _kda_head(S0, e3, k3, beta, v3, q3, S, o, hh)
-                region.finish(fl, 5 + h)
-        region.wait(fl, 5)
-        region.wait(fl, 6)
-        if region.claim(fl, 7):
-            _norm_gate1(o.reshape(H, dv), eps, ow, z, yn, out)
-            region.finish(fl, 7)
-        region.wait(fl, 7)
-        region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 8, c)
+        _kda_layer1_part(np.int64(i), x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1,
+                         n2, l2eps, qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0,
+                         S, o, ow, eps, z, yn, out, q3, k3, v3, e3, fl)
     return n0, n1, n2
 
 
@@ -2056,7 +2083,7 @@ def _kda_plan_fill(p: _KdaPlan, mats, H: int, q_scale: float, d: int) -> None:
     p.taps, p.A, p.d_out = taps, A, o_w.shape[0]
     p.qgain = described(scale_gain(cq // H, q_scale), _gain_array)
     p.dtb = described(dt_bias, _f32_vector)
-    p.ow = described(o_norm_w, _gain_array)
+    p.ow = described(o_norm_w, _f32_gain)
 
 
 def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_scale: float, a_log, dt_bias,
@@ -2108,6 +2135,7 @@ def warm() -> None:
         prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0), causal=7)
         prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
     dk, dv = 8, 8
+    _warm_regions(H, dk, dv)
     u, z = torch.zeros(1, H * dk), torch.zeros(1, H * dv)
     xs, ws = [u, u, z], [torch.zeros(H * dk, 1, 4)] * 2 + [torch.zeros(H * dv, 1, 4)]
     for ow in (torch.ones(dv), torch.ones(dv, dtype=torch.bfloat16)):
@@ -2116,6 +2144,26 @@ def warm() -> None:
                 states = [None] * 3 if S0 is None else [torch.zeros(3, x.shape[1]) for x in xs]
                 kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk), H,
                            lb, S0, torch.empty(H, dk, dv), ow, 1e-6, z)
+
+
+def _warm_regions(H: int, dk: int, dv: int) -> None:
+    """kda_decode_layer and moe_decode once each on tiny weights of the kinds decode
+    gives them (bf16 matrices and norm gains; MXFP4 and BF16 experts; with a latent
+    norm and without)."""
+    d, r, inter, G = 64, 8, 64, 2
+    mat = lambda n, k: torch.zeros(n, k, dtype=torch.bfloat16)  # noqa: E731
+    ws = [mat(n, d) for n in (H * dk, H * dk, H * dv, r, H, r)]
+    kda_decode_layer(torch.zeros(1, d), ws, mat(H * dk, r), mat(H * dv, r),
+                     [torch.zeros(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6, 0.5,
+                     torch.zeros(H), torch.zeros(H * dk), H, None, None, None, torch.ones(dv, dtype=torch.bfloat16),
+                     1e-6, mat(d, H * dv))
+    packed, scale = torch.zeros(inter, d // 2, dtype=torch.uint8), torch.full((inter, d // 32), 127, dtype=torch.uint8)
+    mx = expert_descriptors("mxfp4", [(packed, scale)] * 3 * G).reshape(G, 3, -1)
+    bf = expert_descriptors("bf16", [mat(inter, d)] * 3 * G).reshape(G, 3, -1)
+    shared = (torch.zeros(1, inter), torch.zeros(1, inter))
+    moe_decode(torch.zeros(1, d), mx, torch.zeros(1, G), torch.ones(d, dtype=torch.bfloat16), 1e-6, shared,
+               (4.0, 25.0), mat(d, d), mat(d, inter))
+    moe_decode(torch.zeros(1, d), bf, torch.zeros(1, G), None, 1e-6, shared, None, None, mat(d, inter))
 
 
 def _exp_vector(a: torch.Tensor) -> np.ndarray:

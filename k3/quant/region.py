@@ -46,7 +46,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _WORDS = 16   # int64 words per piece: the claim word, and the done word a cache line on
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def flags(n):
     """Zeroed flags for n pieces."""
     return np.zeros(n * _WORDS, np.int64)
@@ -166,11 +166,12 @@ def bf16_half(tab, r, h, x, work, y):
         _t1_rows(xv, 0, w, out, 0, m, N)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def bf16_step(tab, r0, r1, x, work, y, fl, s, c):
     """Table rows r0 .. r1-1 as one step of a region, pieces s (first halves) and s + 1
     (second halves), called by thread c of the region's two: its own half first, the
-    other if still unclaimed; returns when both are done."""
+    other if still unclaimed; returns when both are done. (Inlined: a separate function
+    would be compiled once per constant s its callers pass.)"""
     for k in range(2):
         h = c if k == 0 else 1 - c
         if claim(fl, s + h):
