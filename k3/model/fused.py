@@ -1047,9 +1047,10 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.n
     Two kernel calls and the GLU between them (``_glu``, as silu_glu / situ_glu). It works
     in place in gate | up and its output (no scratch beside them), gate | up is dropped
     before the down call, and every element has the bits of one linear / GLU call per
-    expert (tests/test_fused.py). (The kernels stay calls from Python: called from a
-    compiled function, numba would generate each kernel's machine code again into it,
-    minutes of first-run compile for a few tens of microseconds a layer.)"""
+    expert (tests/test_fused.py). (The kernels stay calls from Python here: a compiled
+    caller gets each kernel's machine code generated again into it. One token's
+    experts take ``moe_decode`` instead, whose region does compile the row code into
+    it, once, at load.)"""
     xn, _ = _as_f32_activations(x)
     M, K = xn.shape
     G = len(w1s)
