@@ -325,6 +325,26 @@ def test_vml_gives_torchs_bits_anywhere_in_an_array():
             assert np.array_equal(piece.view(np.int32), want[o:o + n].view(np.int32))
 
 
+
+
+def test_vml_calls_put_back_the_callers_mkl_thread_setting():
+    """Each vexp / vtanh / vlog call sets MKL's per-thread count to 1 for itself (a short
+    call threaded across MKL's sleeping OpenMP team cost ~50-100 us: measured in
+    benchmarks, not here) and must put the caller's own setting back afterwards,
+    whatever it was: torch's ops on that thread go by it."""
+    if not vml.AVAILABLE:
+        pytest.skip("no MKL vector math in this torch build")
+    import ctypes
+    local = ctypes.CDLL(vml._LIB).MKL_Set_Num_Threads_Local
+    local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
+    a = np.linspace(-3, 3, 777, dtype=np.float32)
+    out = np.empty_like(a)
+    for mine in (3, 0):
+        local(mine)
+        for fn in (vml.vexp, vml.vtanh):
+            fn(a, out)
+        assert local(mine) == mine    # what the calls left behind is the caller's setting
+    local(0)
 # The torch chains the fused ops replaced, verbatim.
 def ref_silu(x):
     return x / (1.0 + torch.exp(-x))

@@ -48,7 +48,7 @@ def _library() -> str | None:
         return None
     try:
         handle = ctypes.CDLL(lib)
-        if not all(hasattr(handle, n) for n in _NAMES.values()):
+        if not all(hasattr(handle, n) for n in (*_NAMES.values(), "MKL_Set_Num_Threads_Local")):
             return None
         global HAS_SLEEF8, HAS_SLEEF16
         HAS_SLEEF8 = hasattr(handle, _SLEEF_EXP8)
@@ -69,24 +69,38 @@ _SIG = types.void(types.int64, types.CPointer(types.float32), types.CPointer(typ
 _vms_exp = types.ExternalFunction(_NAMES["exp"], _SIG)
 _vms_tanh = types.ExternalFunction(_NAMES["tanh"], _SIG)
 _vms_log = types.ExternalFunction(_NAMES["log"], _SIG)
+#: MKL's per-thread thread count (by value; the lower-case symbol is the Fortran form,
+#: by pointer); returns the previous one (0: the global setting).
+#: VML threads a call of a few hundred elements across MKL's OpenMP team, which with
+#: OMP_WAIT_POLICY=PASSIVE (k3/__init__.py) sleeps between calls: waking it costs far
+#: more than the call (docs/PERFORMANCE.md). Each call here runs on its calling thread,
+#: with the same bits (every element is computed on its own).
+_mkl_local = types.ExternalFunction("MKL_Set_Num_Threads_Local", types.intc(types.intc))
 
 
 @njit(cache=True, nogil=True)
 def vexp(a, out):
-    """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a)."""
+    """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a),
+    on the calling thread."""
+    prev = _mkl_local(1)
     _vms_exp(a.size, a.ctypes, out.ctypes, _MODE)
+    _mkl_local(prev)
 
 
 @njit(cache=True, nogil=True)
 def vtanh(a, out):
     """out[i] = tanh(a[i]), as vexp."""
+    prev = _mkl_local(1)
     _vms_tanh(a.size, a.ctypes, out.ctypes, _MODE)
+    _mkl_local(prev)
 
 
 @njit(cache=True, nogil=True)
 def vlog(a, out):
     """out[i] = log(a[i]), as vexp."""
+    prev = _mkl_local(1)
     _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
+    _mkl_local(prev)
 
 
 def _sleef_exp_intrinsic(lanes: int, symbol: str, have: bool):
