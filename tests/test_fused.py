@@ -337,13 +337,14 @@ def test_vml_calls_put_back_the_callers_mkl_thread_setting():
     import ctypes
     local = ctypes.CDLL(vml._LIB).MKL_Set_Num_Threads_Local
     local.argtypes, local.restype = [ctypes.c_int], ctypes.c_int
-    a = np.linspace(-3, 3, 777, dtype=np.float32)
-    out = np.empty_like(a)
-    for mine in (3, 0):
-        local(mine)
-        for fn in (vml.vexp, vml.vtanh):
-            fn(a, out)
-        assert local(mine) == mine    # what the calls left behind is the caller's setting
+    for n in (777, vml._OWN_THREAD + 5):        # a short call, and a long one left to MKL
+        a = np.linspace(-3, 3, n, dtype=np.float32)
+        out = np.empty_like(a)
+        for mine in (3, 0):
+            local(mine)
+            for fn in (vml.vexp, vml.vtanh, vml.vlog):
+                fn(a, out)
+            assert local(mine) == mine    # what the calls left behind is the caller's setting
     local(0)
 # The torch chains the fused ops replaced, verbatim.
 def ref_silu(x):

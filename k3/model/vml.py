@@ -76,31 +76,37 @@ _vms_log = types.ExternalFunction(_NAMES["log"], _SIG)
 #: more than the call (docs/PERFORMANCE.md). Each call here runs on its calling thread,
 #: with the same bits (every element is computed on its own).
 _mkl_local = types.ExternalFunction("MKL_Set_Num_Threads_Local", types.intc(types.intc))
+#: calls of fewer elements than this run on the calling thread; longer ones (prefill's)
+#: keep MKL's own threading, where the team's wake-up is small beside the work
+_OWN_THREAD = 1 << 16
 
 
 @njit(cache=True, nogil=True)
 def vexp(a, out):
-    """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a),
-    on the calling thread."""
-    prev = _mkl_local(1)
+    """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a);
+    short calls on the calling thread (``_OWN_THREAD``)."""
+    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
     _vms_exp(a.size, a.ctypes, out.ctypes, _MODE)
-    _mkl_local(prev)
+    if a.size < _OWN_THREAD:
+        _mkl_local(prev)
 
 
 @njit(cache=True, nogil=True)
 def vtanh(a, out):
     """out[i] = tanh(a[i]), as vexp."""
-    prev = _mkl_local(1)
+    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
     _vms_tanh(a.size, a.ctypes, out.ctypes, _MODE)
-    _mkl_local(prev)
+    if a.size < _OWN_THREAD:
+        _mkl_local(prev)
 
 
 @njit(cache=True, nogil=True)
 def vlog(a, out):
     """out[i] = log(a[i]), as vexp."""
-    prev = _mkl_local(1)
+    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
     _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
-    _mkl_local(prev)
+    if a.size < _OWN_THREAD:
+        _mkl_local(prev)
 
 
 def _sleef_exp_intrinsic(lanes: int, symbol: str, have: bool):
