@@ -310,7 +310,8 @@ def kernel_path() -> dict:
     """What the BF16 kernels run here, for ``k3 doctor``: the instruction-set path, the
     token x row tile of T > 1, the rows one token streams at once and from which K,
     the vendor tuning in force."""
-    pf = [f"{'one row' if n == 1 else f'{n} rows'} at a time prefetch{'es' if n == 1 else ''} {d * 2} bytes ahead"
+    pf = [f"{'one row' if n == 1 else f'{n} rows'} at a time prefetch{'es' if n == 1 else ''} "
+          + (f"the next {n} rows" if d == NEXT_ROWS else f"{d * 2} bytes ahead")
           for n, d in ((_T1_NR, _T1_PF), (1, _T1_PF1)) if d]
     return {"isa": _ISA, "lanes": _V, "tile": f"{_NT}x{_NR}", "t1_rows": _T1_NR,
             "t1_rows_from_k": _T1_MANY_K if _T1_MANY_K < 1 << 62 else None,
@@ -509,6 +510,10 @@ _tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_TILE_PF)     # a block's last
 _unpermute = make_unpermute(PAIR_SPLIT)
 
 
+#: ``make_dotn_bf16``'s prefetch of the next rows' same columns
+NEXT_ROWS = -1
+
+
 def make_dotn_bf16(nr: int, pf: int = 0):
     """An intrinsic ``dot(x, xi, w, wi, nj)``: x[xi] . fp32(w[wi + k]) for k < nr over K =
     64 * nj elements (no tail), each row's whole canonical order in registers (lanes from
@@ -516,7 +521,10 @@ def make_dotn_bf16(nr: int, pf: int = 0):
     ``_tree_sum``, without a trip through memory per row (which dominates short rows).
     nr > 1 rows at once keep nr weight streams in flight and share the x loads; the
     result is then a tuple. ``pf`` > 0: each step prefetches both cache lines of every
-    row pf elements ahead (a hint; it never faults past a row's end)."""
+    row pf elements ahead; ``pf`` = NEXT_ROWS: the same column of the next nr rows (nr *
+    K elements ahead: the rows a caller's next call reads, so the prefetches make one
+    sequential stream). A hint either way: it never faults past a row's or the matrix's
+    end."""
     def typer(typingctx, x, xi, w, wi, nj):
         if not (isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == types.float32
                 and isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
@@ -535,11 +543,14 @@ def make_dotn_bf16(nr: int, pf: int = 0):
             wp = [_row_ptr(context, builder, sig.args[2], args[2], builder.add(i64(3), _I64(k)), zero)
                   for k in range(nr)]
 
+            ahead = builder.mul(i64(4), _I64(LANES * nr)) if pf == NEXT_ROWS else _I64(pf)
+
             def body(j, acc):
-                off = builder.mul(j, _I64(LANES))
+                off = builder.add(builder.mul(j, _I64(LANES)), ahead)
                 for p in wp if pf else ():
                     for h in (0, LANES // 2):
-                        _prefetch(builder, builder.gep(p, [builder.add(off, _I64(pf + h))]))
+                        _prefetch(builder, builder.gep(p, [builder.add(off, _I64(h))]))
+                off = builder.mul(j, _I64(LANES))
                 xv = _vload(builder, xp, off, _F32, LANES)
                 return [_vfma(builder, xv, widen_bf16_vec(builder, _vload(builder, p, off, _I16, LANES)), a)
                         for p, a in zip(wp, acc)]
@@ -550,7 +561,7 @@ def make_dotn_bf16(nr: int, pf: int = 0):
 
         return sig, codegen
 
-    typer.__name__ = f"dot{nr}_bf16" + (f"_pf{pf}" if pf else "")
+    typer.__name__ = f"dot{nr}_bf16" + ("_next" if pf == NEXT_ROWS else f"_pf{pf}" if pf else "")
     return intrinsic(typer)
 
 
@@ -565,12 +576,15 @@ def make_dotn_bf16(nr: int, pf: int = 0):
 #: the activation lines each step re-reads from L2 for every four rows); AVX2 four.
 #: Measured in docs/PERFORMANCE.md.
 _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
-#: On Intel's AVX-512 cores the eight rows prefetch 512 elements (1 KiB) ahead and start
-#: at K = 1536: there the hardware streamer, which stops at every 4 KiB page, leaves
-#: unprefetched streams short, one row's stream most of all; on Zen 4 a prefetch in the
-#: four-row dot was slower (docs/PERFORMANCE.md, thirteenth and fourteenth sessions).
+#: On Intel's AVX-512 cores the eight rows start at K = 1536 and prefetch: there the
+#: hardware streamer, which stops at every 4 KiB page, leaves unprefetched streams short,
+#: one row's stream most of all; on Zen 4 a prefetch in the four-row dot was slower
+#: (docs/PERFORMANCE.md, thirteenth and fourteenth sessions). They prefetch the next
+#: eight rows' same columns (NEXT_ROWS: one sequential stream ahead of the eight they
+#: read), which streamed [*, 2304] matrices from memory 8-12 % faster than 512
+#: elements ahead in each row (eighteenth session).
 _T1_INTEL = _ISA == "avx512" and cpu_vendor() == "intel"
-_T1_PF = 512 if _T1_INTEL else 0
+_T1_PF = NEXT_ROWS if _T1_INTEL else 0
 _dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
 #: ... and the one-row dot (short rows, which stream one after another: one stream per
 #: thread) prefetches 1024 elements (2 KiB) ahead on Intel, into the next rows: with the
