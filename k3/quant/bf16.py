@@ -576,13 +576,15 @@ def make_dotn_bf16(nr: int, pf: int = 0):
 #: the activation lines each step re-reads from L2 for every four rows); AVX2 four.
 #: Measured in docs/PERFORMANCE.md.
 _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
-#: On Intel's AVX-512 cores the eight rows start at K = 1536 and prefetch: there the
+#: On Intel's AVX-512 cores the eight rows start at K = 1024 and prefetch: there the
 #: hardware streamer, which stops at every 4 KiB page, leaves unprefetched streams short,
 #: one row's stream most of all; on Zen 4 a prefetch in the four-row dot was slower
 #: (docs/PERFORMANCE.md, thirteenth and fourteenth sessions). They prefetch the next
 #: eight rows' same columns (NEXT_ROWS: one sequential stream ahead of the eight they
 #: read), which streamed [*, 2304] matrices from memory 8-12 % faster than 512
-#: elements ahead in each row (eighteenth session).
+#: elements ahead in each row, and [2304, 1024] 10 % faster than one row at a time; at
+#: K = 768 a small model's decode (its weights partly in the L3) kept one row at a time
+#: faster (eighteenth session).
 _T1_INTEL = _ISA == "avx512" and cpu_vendor() == "intel"
 _T1_PF = NEXT_ROWS if _T1_INTEL else 0
 _dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
@@ -592,7 +594,7 @@ _dotn_bf16 = make_dotn_bf16(_T1_NR, _T1_PF)
 #: calls; from memory about even (docs/PERFORMANCE.md, fifteenth session)
 _T1_PF1 = 1024 if _T1_INTEL else 0
 _dot_bf16 = make_dotn_bf16(1, _T1_PF1)
-_T1_MANY_K = 1536 if _T1_INTEL else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
+_T1_MANY_K = 1024 if _T1_INTEL else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)
 
 
 @intrinsic
