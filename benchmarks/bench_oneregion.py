@@ -51,7 +51,7 @@ from numba import njit, prange  # noqa: E402
 import k3  # noqa: E402
 import k3.quant.bf16 as kb  # noqa: E402
 from k3.quant import region  # noqa: E402
-from bench_overhead import ARMS, ensure_model, git_rev  # noqa: E402
+from bench_overhead import ARMS, arm_models, git_rev  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
 DEFAULT_ARMS = "small-k3,small-kimi_linear,realdims-kimi_linear"
@@ -128,13 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="where the synthetic models live (default ~/.cache/k3/overhead)")
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "oneregion.tsv"))
     args = ap.parse_args(argv)
-    from k3 import env
-    cache = Path(args.cache) if args.cache else env.cache_dir() / "overhead"
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for a in arms:
-        if a not in ARMS:
-            ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
-    dirs = {a: ensure_model(cache, a) for a in arms}
+    arms, dirs = arm_models(ap, args)
     flags, rev = cpu_flags(), git_rev()
     tsv = Tsv(Path(args.tsv), ["arm", "code", "rep", "calls", "matrices", "mb", "launches_ms", "region_ms",
                                "region_over_launches", "load", "cpu"])

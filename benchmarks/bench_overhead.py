@@ -84,6 +84,19 @@ def ensure_model(cache: Path, arm: str) -> Path:
         synth.synthesize(d, preset=preset, arch=arch, seed=0, layers=layers, experts=experts)
     return d
 
+def arm_models(ap: argparse.ArgumentParser, args) -> tuple[list[str], dict[str, Path]]:
+    """The arms named by ``args.arms`` (checked against ARMS, ``ap.error`` otherwise) and
+    their model folders under ``args.cache`` (default ~/.cache/k3/overhead), made when
+    missing."""
+    from k3 import env
+    cache = Path(args.cache) if args.cache else env.cache_dir() / "overhead"
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for a in arms:
+        if a not in ARMS:
+            ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
+    return arms, {a: ensure_model(cache, a) for a in arms}
+
+
 
 class Probe:
     """The memory probes over one pair of 1 GiB fp32 buffers and one 1 GiB bf16 matrix,
@@ -268,13 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="where the synthetic models live (default ~/.cache/k3/overhead)")
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "overhead.tsv"))
     args = ap.parse_args(argv)
-    from k3 import env
-    cache = Path(args.cache) if args.cache else env.cache_dir() / "overhead"
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for a in arms:
-        if a not in ARMS:
-            ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
-    dirs = {a: ensure_model(cache, a) for a in arms}
+    arms, dirs = arm_models(ap, args)
     torch.set_num_threads(args.threads)
     probe = Probe()
     bw = probe.read(5), probe.copy(5)
