@@ -19,7 +19,7 @@ from k3.model.stack import Observer
 from k3.sampling import SamplingSettings
 from k3.synth import synthesize
 
-from engines import greedy_ids, open_engine
+from engines import greedy_ids, open_engine, own_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,7 +296,7 @@ pexpect = pytest.importorskip("pexpect")
 def spawn(args, tmp_path):
     # a fixed seed: chat samples by default, and a fresh seed can sample the end of the
     # turn before the token count a test waits for (a CI run once ended an answer at 2 of 3)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), K3_CACHE=str(tmp_path / "cache"), TERM="dumb")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), K3_CACHE=str(own_cache(tmp_path / "cache")), TERM="dumb")
     child = pexpect.spawn(sys.executable, ["-m", "k3", "chat", *args, "--seed", "11"], cwd=str(ROOT), env=env, encoding="utf-8",
                           timeout=60, dimensions=(40, 200))
     return child

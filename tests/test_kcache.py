@@ -44,7 +44,7 @@ from numba.core import config
 from k3.quant import kcache
 print(json.dumps({"paths": [b._bf16_t1._cache._cache_path, m._mxfp4_t1._cache._cache_path,
                             f._weighted_sum._cache._cache_path, v.vexp._cache._cache_path],
-                  "folder": str(kcache.folder()), "after": config.CACHE_DIR}))
+                  "folder": str(kcache.folder()), "after": config.CACHE_DIR, "compiling": kcache.compiling()}))
 """
 
 
@@ -68,3 +68,27 @@ def test_an_explicit_numba_cache_dir_wins(tmp_path):
     mine = tmp_path / "mine"
     r = _probe(tmp_path, NUMBA_CACHE_DIR=str(mine))
     assert all(p.startswith(str(mine)) for p in r["paths"]), r
+
+
+def test_a_first_run_knows_it_compiles_and_the_next_does_not(tmp_path):
+    """An empty kernel folder is seen as such when the kernels are imported (k3.load then
+    says that they compile, a minute's silence otherwise); once a process has cached
+    kernels there, the next one does not say it."""
+    first = _probe(tmp_path)
+    assert first["compiling"] == first["folder"]
+    assert _probe(tmp_path)["compiling"] is None
+
+
+def test_load_says_when_the_kernels_compile(monkeypatch, tmp_path):
+    from engines import open_engine
+    from k3.synth import synthesize
+    model = synthesize(tmp_path / "m", preset="tiny", arch="k3", seed=9)
+    said = []
+    monkeypatch.setattr(kcache, "_COLD", True)
+    monkeypatch.setattr(kcache, "_DIR", "/somewhere/numba/0123")
+    open_engine(model, log=said.append).close()
+    assert any(m.startswith("note: compiling k3's kernels") and "/somewhere/numba/0123" in m for m in said)
+    said.clear()
+    monkeypatch.setattr(kcache, "_COLD", False)
+    open_engine(model, log=said.append).close()
+    assert not any("compiling" in m for m in said)

@@ -306,7 +306,8 @@ def test_chat_survives_a_line_that_is_not_utf8(tiny, tmp_path):
 
     pexpect = pytest.importorskip("pexpect")
     hist = tmp_path / "h.jsonl"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", K3_CACHE=str(tmp_path), LANG="C.UTF-8", LC_ALL="C.UTF-8")
+    from engines import own_cache
+    env = dict(os.environ, PYTHONUNBUFFERED="1", K3_CACHE=str(own_cache(tmp_path)), LANG="C.UTF-8", LC_ALL="C.UTF-8")
     child = pexpect.spawn(sys.executable, ["-m", "k3", "chat", str(tiny), "--max-tokens", "3", "--history", str(hist),
                                            "--threads", "1", "--greedy"], cwd=str(ROOT), env=env, timeout=90)
     try:

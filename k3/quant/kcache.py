@@ -28,6 +28,8 @@ KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "quant/region.py", "model/f
 
 _PKG = Path(__file__).resolve().parent.parent
 _DIR: str | None = None
+#: whether the folder held no compiled kernel when this process first pointed numba at it
+_COLD = False
 
 
 def folder(sources: dict[str, bytes] | None = None, isa: str | None = None) -> Path:
@@ -45,12 +47,13 @@ def folder(sources: dict[str, bytes] | None = None, isa: str | None = None) -> P
 def enter() -> str | None:
     """Point numba's cache at ``folder()`` for the functions defined next; returns the
     setting to give ``leave`` (None: the user chose NUMBA_CACHE_DIR, left alone)."""
-    global _DIR
+    global _DIR, _COLD
     if os.environ.get("NUMBA_CACHE_DIR"):
         return None
     if _DIR is None:
         try:
             _DIR = str(folder())
+            _COLD = not any(Path(_DIR).glob("*/*.nbi"))
         except (OSError, RuntimeError):  # a source unreadable, no home folder: numba's usual places
             return None
     prev = config.CACHE_DIR
@@ -61,3 +64,9 @@ def enter() -> str | None:
 def leave(prev: str | None) -> None:
     if prev is not None:
         config.CACHE_DIR = prev
+
+
+def compiling() -> str | None:
+    """The kernel folder when this process found it empty (a first run after an install
+    or an upgrade: the kernels compile now, about a minute on two cores), else None."""
+    return _DIR if _COLD else None
