@@ -678,6 +678,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         say(f"note: compiling k3's kernels for this CPU (the first run after an install or upgrade: about a "
             f"minute on two cores); cached in {kcache.compiling()}")
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
+    kcache.compiled()
     if int(max_batch) < 1:
         raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
     if kv not in ("latent", "expanded"):

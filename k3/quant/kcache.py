@@ -68,5 +68,12 @@ def leave(prev: str | None) -> None:
 
 def compiling() -> str | None:
     """The kernel folder when this process found it empty (a first run after an install
-    or an upgrade: the kernels compile now, about a minute on two cores), else None."""
+    or an upgrade: the kernels compile now, about a minute on two cores) and has not
+    yet called ``compiled()``, else None."""
     return _DIR if _COLD else None
+
+
+def compiled() -> None:
+    """Every kernel has been run once (k3.engine.warm_kernels): they are in the folder."""
+    global _COLD
+    _COLD = False
