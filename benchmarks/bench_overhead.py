@@ -84,6 +84,7 @@ def ensure_model(cache: Path, arm: str) -> Path:
         synth.synthesize(d, preset=preset, arch=arch, seed=0, layers=layers, experts=experts)
     return d
 
+
 def arm_models(ap: argparse.ArgumentParser, args) -> tuple[list[str], dict[str, Path]]:
     """The arms named by ``args.arms`` (checked against ARMS, ``ap.error`` otherwise) and
     their model folders under ``args.cache`` (default ~/.cache/k3/overhead), made when
@@ -95,7 +96,6 @@ def arm_models(ap: argparse.ArgumentParser, args) -> tuple[list[str], dict[str, 
         if a not in ARMS:
             ap.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
     return arms, {a: ensure_model(cache, a) for a in arms}
-
 
 
 class Probe:

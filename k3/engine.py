@@ -674,9 +674,10 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         from .memory.trunk import PackedTrunk
         packed = PackedTrunk.open(budgets.trunk, cfg, layout.index)
     from .quant import kcache
-    if kcache.compiling():
+    cold = kcache.compiling()
+    if cold:
         say(f"note: compiling k3's kernels for this CPU (the first run after an install or upgrade: about a "
-            f"minute on two cores); cached in {kcache.compiling()}")
+            f"minute on two cores); cached in {cold}")
     warm_kernels()  # the compiled kernels then count in the footprint the plan measures
     kcache.compiled()
     if int(max_batch) < 1:

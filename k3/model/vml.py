@@ -81,32 +81,42 @@ _mkl_local = types.ExternalFunction("MKL_Set_Num_Threads_Local", types.intc(type
 _OWN_THREAD = 1 << 16
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _own_thread(n):
+    """MKL's count 1 for a call of n elements under _OWN_THREAD; the caller's setting
+    to put back (-1: nothing was changed)."""
+    return _mkl_local(1) if n < _OWN_THREAD else -1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _back(prev):
+    if prev >= 0:
+        _mkl_local(prev)
+
+
 @njit(cache=True, nogil=True)
 def vexp(a, out):
     """out[i] = exp(a[i]) for 1-D C-contiguous float32 a, out of one size (out may be a);
     short calls on the calling thread (``_OWN_THREAD``)."""
-    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
+    prev = _own_thread(a.size)
     _vms_exp(a.size, a.ctypes, out.ctypes, _MODE)
-    if a.size < _OWN_THREAD:
-        _mkl_local(prev)
+    _back(prev)
 
 
 @njit(cache=True, nogil=True)
 def vtanh(a, out):
     """out[i] = tanh(a[i]), as vexp."""
-    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
+    prev = _own_thread(a.size)
     _vms_tanh(a.size, a.ctypes, out.ctypes, _MODE)
-    if a.size < _OWN_THREAD:
-        _mkl_local(prev)
+    _back(prev)
 
 
 @njit(cache=True, nogil=True)
 def vlog(a, out):
     """out[i] = log(a[i]), as vexp."""
-    prev = _mkl_local(1) if a.size < _OWN_THREAD else 0
+    prev = _own_thread(a.size)
     _vms_log(a.size, a.ctypes, out.ctypes, _MODE)
-    if a.size < _OWN_THREAD:
-        _mkl_local(prev)
+    _back(prev)
 
 
 def _sleef_exp_intrinsic(lanes: int, symbol: str, have: bool):

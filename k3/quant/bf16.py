@@ -522,7 +522,7 @@ def make_dotn_bf16(nr: int, pf: int = 0):
     nr > 1 rows at once keep nr weight streams in flight and share the x loads; the
     result is then a tuple. ``pf`` > 0: each step prefetches both cache lines of every
     row pf elements ahead; ``pf`` = NEXT_ROWS: the same column of the next nr rows (nr *
-    K elements ahead: the rows a caller's next call reads, so the prefetches make one
+    K elements ahead: the rows the caller's loop reads next, so the prefetches make one
     sequential stream). A hint either way: it never faults past a row's or the matrix's
     end."""
     def typer(typingctx, x, xi, w, wi, nj):

@@ -69,7 +69,8 @@ def leave(prev: str | None) -> None:
 def compiling() -> str | None:
     """The kernel folder when this process found it empty (a first run after an install
     or an upgrade: the kernels compile now, about a minute on two cores) and has not
-    yet called ``compiled()``, else None."""
+    yet called ``compiled()``, else None (also under a NUMBA_CACHE_DIR of the user's,
+    which this module leaves alone)."""
     return _DIR if _COLD else None
 
 
