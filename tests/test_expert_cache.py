@@ -471,3 +471,40 @@ def test_logits_bit_identical_to_resident(tiny, slots):
     if slots == "all":
         assert s["evictions"] == 0 and s["hits"] > 0
     c.close()
+
+
+def test_resident_layer_while_every_expert_stays(tiny):
+    """resident_layer: None until every routed expert of the layer is in the cache, then
+    one tuple (the same object call after call, each entry the expert a fetch gives),
+    None again once one of them is evicted, a new tuple when all are back; note_hits
+    counts as a fetch that hits them all (requests, hits, LRU order, trace)."""
+    lay = tiny.provider.layout
+    cfg = lay.cfg
+    E = cfg.num_experts
+    a, b = [i for i in range(lay.n_layers) if cfg.is_moe(i)][:2]
+    with ExpertCache(lay, E + 2, trace=True) as c:   # room for a layer and two more
+        assert c.resident_layer(a) is None and c.resident_layer(-1) is None and c.resident_layer(lay.n_layers) is None
+        for _ in c.groups(a, range(E - 1)):
+            pass
+        assert c.resident_layer(a) is None
+        c.experts(a, [E - 1])
+        every = c.resident_layer(a)
+        assert isinstance(every, tuple) and len(every) == E and c.resident_layer(a) is every
+        for e in range(E):
+            got = c.experts(a, [e])[e]
+            assert got.w1.packed.data_ptr() == every[e].w1.packed.data_ptr()
+        assert c.resident_layer(a) is every   # hits move nothing
+        s0 = c.stats()
+        c.note_hits(a, [3, 1, 3])
+        s1 = c.stats()
+        assert (s1["requests"] - s0["requests"], s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]) == (3, 3, 0)
+        assert c.trace_array()[-3:].tolist() == [[a, 3], [a, 1], [a, 3]]
+        # the two just used are the newest: a fetch of layer b's experts evicts others first
+        c.experts(b, list(range(cfg.num_experts_per_token)))
+        assert c.resident_layer(a) is None
+        assert c.resident(a, 3) and c.resident(a, 1)
+        for _ in c.groups(a, range(E)):
+            pass
+        again = c.resident_layer(a)
+        assert again is not None and again is not every
+        accounting(c.stats())

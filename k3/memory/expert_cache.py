@@ -270,6 +270,8 @@ class ExpertCache:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # oldest first
         self._loc: dict[tuple[int, int], ExpertLocation] = {}
+        self._count = [0] * self.n_layers                # each layer's published experts
+        self._every: list = [None] * self.n_layers       # resident_layer's tuple, while it holds
         self._pool: ThreadPoolExecutor | None = None
         self._busy = threading.Lock()
         self._run = _Stats()
@@ -302,6 +304,32 @@ class ExpertCache:
     def resident(self, layer: int, e: int) -> bool:
         """Whether expert ``e`` of ``layer`` is in the cache now (no accounting)."""
         return (int(layer), int(e)) in self._slot_of
+
+    def resident_layer(self, layer: int) -> tuple | None:
+        """Every routed expert of ``layer`` (ExpertWeights by id) when all of them are in
+        the cache, else None; no accounting (``note_hits`` does it for the experts then
+        used). The same tuple object while none of them moves; valid until the next
+        fetch."""
+        if not (0 <= layer < self.n_layers and self._count[layer] == self.n_experts):
+            return None
+        every = self._every[layer]
+        if every is None:
+            every = self._every[layer] = tuple(self._weights[self._slot_of[(layer, e)]] for e in range(self.n_experts))
+        return every
+
+    def note_hits(self, layer: int, ids: Sequence[int]) -> None:
+        """Account for experts ``ids`` of ``layer`` used from ``resident_layer``: what
+        ``experts`` counts for a call that hits them all (requests, hits, LRU order, trace)."""
+        if self.trace_enabled:
+            for e in ids:
+                self._trace.append(layer)
+                self._trace.append(e)
+        touch = self._lru.move_to_end
+        for e in dict.fromkeys(ids):
+            touch((layer, e))
+        for s in (self._run, self._step):
+            s.requests += len(ids)
+            s.hits += len(ids)
 
     # ------------------------------------------------------------------ the fetch
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
@@ -393,6 +421,8 @@ class ExpertCache:
                 raise RuntimeError("expert cache: no evictable slot (more experts in flight than slots)")
             slot = self._lru.pop(victim)
             del self._slot_of[victim]
+            self._count[victim[0]] -= 1
+            self._every[victim[0]] = None
             self._weights[slot] = None
             self._run.evictions += 1
             self._step.evictions += 1
@@ -441,6 +471,7 @@ class ExpertCache:
             key = (layer, loc.expert)
             self._key_of[slot] = key
             self._slot_of[key] = slot
+            self._count[layer] += 1
             self._lru[key] = slot
             ew = self._weights[slot] = self._build(slot, loc)
             out[loc.expert] = ew

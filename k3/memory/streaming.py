@@ -137,6 +137,12 @@ class StreamingWeights:
     def expert_groups(self, i, ids):
         return self.cache.groups(i, ids)
 
+    def resident_experts(self, i):
+        return self.cache.resident_layer(i)
+
+    def used_experts(self, i, ids):
+        self.cache.note_hits(i, ids)
+
     # ---- reporting ----
     @property
     def resident_trunk_bytes(self) -> int:

@@ -81,6 +81,16 @@ class WeightProvider(Protocol):
     def release_layer(self, i: int) -> None:
         """The math is done with layer i for this step (a streaming provider may reuse it)."""
 
+    # Optional (the math checks with getattr): a provider that can say when it holds every
+    # routed expert of a layer lets a decode step run the layer's MoE block inside the
+    # mixer's compiled region, with no fetch between the router and the experts.
+    def resident_experts(self, i: int) -> Sequence[ExpertWeights] | None:
+        """Every routed expert of layer i (by id) when all are held, else None; the same
+        object while none of them moves, valid until the next expert_groups call."""
+
+    def used_experts(self, i: int, ids: Sequence[int]) -> None:
+        """Experts ``ids`` of layer i were used from resident_experts (statistics, LRU)."""
+
 
 class DictWeights:
     """A provider over a plain dict of tensors keyed by normalised checkpoint names
