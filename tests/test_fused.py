@@ -995,3 +995,150 @@ def test_moe_block_one_token_whatever_the_expert_groups(arch, tmp_path, threads)
             one = moe_block(cfg, w, x, i, prov)
             assert same(moe_block(cfg, w, x, i, _SplitGroups(prov, 3)), one)
         prov.release_layer(i)
+
+
+# ------------------------------------------------------------------ MLA's one-token region
+def _mla_case(arch, lora, gated, seed):
+    import dataclasses
+    cfg = parse_config(build_config("tiny", arch), "test")
+    cfg = dataclasses.replace(cfg, q_lora_rank=(cfg.q_lora_rank or 48) if lora else None,
+                              mla_use_output_gate=gated)
+    g = torch.Generator().manual_seed(seed)
+    H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    d, L, a = cfg.hidden_size, cfg.kv_lora_rank, "self_attn."
+    gain = lambda n: (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)  # noqa: E731
+    w = {a + "kv_a_proj_with_mqa.weight": _bf16(g, L + rope, d), a + "kv_a_layernorm.weight": gain(L),
+         a + "kv_b_proj.weight": _bf16(g, H * (nope + vd), L), a + "o_proj.weight": _bf16(g, d, H * vd)}
+    if lora:
+        qr = cfg.q_lora_rank
+        w.update({a + "q_a_proj.weight": _bf16(g, qr, d), a + "q_a_layernorm.weight": gain(qr),
+                  a + "q_b_proj.weight": _bf16(g, H * (nope + rope), qr)})
+    else:
+        w[a + "q_proj.weight"] = _bf16(g, H * (nope + rope), d)
+    if gated:
+        w[a + "g_proj.weight"] = _bf16(g, H * vd, d)
+    return cfg, w, g
+
+
+@pytest.mark.parametrize("arch,lora,gated", [("k3", True, True), ("k3", False, True), ("kimi_linear", True, False),
+                                             ("kimi_linear", False, False)])
+def test_mla_decode_layer_equals_the_separate_calls(arch, lora, gated, threads, monkeypatch):
+    """Latent MLA's one-token step in one parallel region (fused.mla_decode_layer, from
+    mla_layer) against the same step as separate calls (the region turned off), bit for
+    bit, from an empty cache on over several positions: the outputs and the cache rows
+    it writes; with and without q LoRA and the output gate. A cache past one key tile
+    takes the separate calls (the region's softmax is one tile's)."""
+    from k3.model import mla
+    cfg, w, g = _mla_case(arch, lora, gated, 7 + 2 * lora + gated)
+    took = []
+
+    def counted(*a):
+        y = fused.mla_decode_layer(*a)
+        took.append(y is not None)
+        return y
+    xs = [_x(g, 1, cfg.hidden_size) * 2.0 for _ in range(5)]
+    runs = []
+    for region in (counted, lambda *a: None):
+        monkeypatch.setattr(mla, "mla_decode_layer", region)
+        st = mla.MLAState(latent=True)
+        ys = [mla.mla_layer(cfg, w, torch.cat(xs[:2]), st)] + [mla.mla_layer(cfg, w, x, st) for x in xs[2:]]
+        runs.append((ys, st.k.clone(), st.v.clone()))
+    assert took == [fused.USE_VML] * 3
+    (a, ka, va), (b, kb, vb) = runs
+    assert all(same(p, q) for p, q in zip(a, b)) and same(ka, kb) and same(va, vb)
+    # past a key tile: not the region's (one softmax tile), the separate calls' bits
+    took.clear()
+    st = mla.MLAState(latent=True)
+    st.append(torch.randn(mla.K_TILE, cfg.kv_lora_rank, generator=g), torch.randn(mla.K_TILE, cfg.qk_rope_head_dim,
+                                                                                  generator=g))
+    monkeypatch.setattr(mla, "mla_decode_layer", counted)
+    mla.mla_layer(cfg, w, xs[0], st)
+    assert took == [] and st.length == mla.K_TILE + 1
+
+
+def test_mla_decode_layer_declines_what_it_does_not_take():
+    """Not one token, an F32 or non-contiguous weight, a cache buffer of the wrong
+    width or without room for the row: None, nothing written."""
+    cfg, w, g = _mla_case("k3", True, True, 1)
+    H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    L, a = cfg.kv_lora_rank, "self_attn."
+    names = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "g_proj",
+             "o_proj"]
+    ws = [w[a + n + ".weight"] for n in names]
+
+    def call(x, ws, kb, vb, past=0):
+        return fused.mla_decode_layer(x, *ws, kb, vb, past, H, nope, rope, vd, 1e-6, 0.1)
+    kb, vb = np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32)
+    x = _x(g, 1, cfg.hidden_size)
+    if not fused.USE_VML:
+        assert call(x, ws, kb, vb) is None
+        return
+    assert call(x, ws, kb, vb) is not None and kb[0].any()
+    kb[:], vb[:] = 0, 0
+    assert call(_x(g, 2, cfg.hidden_size), ws, kb, vb) is None
+    assert call(x, ws[:7] + [ws[7].float()], kb, vb) is None
+    assert call(x, ws[:2] + [ws[2].t().contiguous().t()] + ws[3:], kb, vb) is None
+    assert call(x, ws, np.zeros((4, L + 1), np.float32), vb) is None
+    assert call(x, ws, kb, vb, past=4) is None
+    assert not kb.any() and not vb.any()
+
+
+# ------------------------------------------------------------------ a layer's first half in its mixer's region
+@pytest.mark.parametrize("arch", ["k3", "kimi_linear"])
+def test_layer_ends_in_the_mixer_region_give_the_separate_calls_bits(arch, tmp_path, threads, monkeypatch):
+    """Decode steps whose mixer regions also do the residual step (Kimi-Linear's add and
+    norm, K3's partial sum and Attention Residuals mix), the router and its top-k, and,
+    with every routed expert of the layer held, the whole MoE block: logits bit-identical
+    to the same steps with the region ending at its output (the separate calls), and to
+    regions that stop after the router (experts not all held). The expert cache counts
+    the experts used from a held layer as it counts fetched ones."""
+    from k3 import synth
+    from k3.model import stack
+    d = synth.synthesize(tmp_path / "m", preset="small", arch=arch, seed=5, layers=3)  # (tiny: top-4, no top-k here)
+    prompt = [5, 17, 99, 300, 42, 7]
+    with k3.load(d, threads=threads, log=lambda *a, **k: None) as eng:
+        prov, cfg = eng.provider, eng.cfg
+        for i in range(eng.n_layers):   # every expert in the cache: the whole-block path is open
+            if cfg.is_moe(i):
+                for _ in prov.expert_groups(i, range(cfg.num_experts)):
+                    pass
+        made = []
+        real_plain, real_mix = stack.plain_end, stack.attn_res_end
+
+        def keep(f):
+            def g(*a):
+                e = f(*a)
+                made.append(e)
+                return e
+            return g
+
+        counts = []
+
+        def run():
+            made.clear()
+            before = prov.cache.stats()
+            st = eng.new_state()
+            out = [eng.model.forward(prompt, st, last_only=True)]
+            for _ in range(4):
+                out.append(eng.model.forward([int(out[-1].argmax())], st, last_only=True))
+            after = prov.cache.stats()
+            counts.append(tuple(after[k] - before[k] for k in ("requests", "hits", "misses")))
+            return torch.cat(out)
+
+        monkeypatch.setattr(stack, "plain_end", keep(real_plain))
+        monkeypatch.setattr(stack, "attn_res_end", keep(real_mix))
+        whole = run()
+        if fused.USE_VML:
+            ends = [e for e in made if e is not None]
+            assert ends and all(e.done for e in ends)
+            assert sum(e.out is not None for e in ends) == 4 * sum(cfg.is_moe(i) for i in range(eng.n_layers))
+        monkeypatch.setattr(prov, "resident_experts", lambda i: None)
+        routed = run()
+        if fused.USE_VML:
+            assert any(e is not None and e.ids is not None for e in made)
+            assert all(e.done and e.out is None for e in made if e is not None)
+        monkeypatch.setattr(stack, "plain_end", lambda *a: None)
+        monkeypatch.setattr(stack, "attn_res_end", lambda *a: None)
+        separate = run()
+    assert counts[0] == counts[1] == counts[2] and counts[0][2] == 0
+    assert same(whole, separate) and same(routed, separate)

@@ -1082,6 +1082,16 @@ def expert_ffn(fmt: str, x, w1s, w3s, w2s, rows, situ: tuple | None, descs: np.n
     return y
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _mx_input(x, mx, P, xe, xo, xep, xop):
+    """Where the experts are MXFP4 (``mx``): x's evens and odds, in the one-token
+    decode's lane order too where rows of P bytes read that."""
+    if mx:
+        split_evens_odds(x, xe, xo)
+        if t1_perm(P):
+            perm_steps(xe, xo, xep, xop)
+
+
 @njit(cache=True, nogil=True)
 def _chains(d, K):
     """Whether expert descriptors d [G, 3, ncols] chain on K input features: gate and up
@@ -1113,8 +1123,8 @@ def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
 
 
 @njit(cache=True, nogil=True)
-def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, mx, gu, hx, contrib,
-                      work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl):
+def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx, gu, hx,
+                      contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl):
     """Thread c's part of ``_moe_decode1`` (a plain function: the region's loop body,
     compiled once, not into the parallel loop's lowering)."""
     G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
@@ -1129,10 +1139,7 @@ def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb,
     region.wait(fl, 1)
     if region.claim(fl, 2):
         _glu_into(gu, hx, situ, beta, lb, has_lb)
-        if mx:
-            split_evens_odds(hx, he, ho)
-            if t1_perm(P3):
-                perm_steps(he, ho, hep, hop)
+        _mx_input(hx, mx, P3, he, ho, hep, hop)
         region.finish(fl, 2)
     region.wait(fl, 2)
     gm = G // 2
@@ -1160,19 +1167,18 @@ def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb,
         elif mode == 3:
             for t in range(n_out):
                 y[t] = r[0, t]
+        if base.size:    # the residual stream's add (h + ffn, or K3's P + ffn)
+            for t in range(n_out):
+                y[t] = base[t] + y[t]
         region.finish(fl, 8)
     region.wait(fl, 8)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb, tab, mode, y):
-    """moe_decode's region: the experts' gate and up products (gates on one half, ups on
-    the other), their GLU (one thread), the down products (the experts in two halves),
-    ``_moe_mix1`` (one thread), the table's BF16 rows (latent up-projection, shared
-    expert's down projection: each in halves), the sum (one thread). ``mode``: y is the
-    up-projection (0), plus the shared expert's down (1), the mix plus it (2), the mix (3)."""
-    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
-    mx = d.shape[2] == 4
+@njit(cache=True, nogil=True)
+def _moe_scratch(G, inter, dz, inter_s, n_out, mx):
+    """The workspace of ``_moe_decode1_part`` for G experts of ``inter`` rows on dz inputs
+    (the latent), a shared expert of inter_s rows and n_out outputs (mx: MXFP4 experts,
+    whose inputs are split into even and odd elements)."""
     gu = np.empty(2 * G * inter, np.float32)
     hx = np.empty((G, inter), np.float32)
     contrib = np.empty((1, G, dz), np.float32)
@@ -1187,53 +1193,110 @@ def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb
     zep, zop = (empty64(P1).reshape((1, P1)), empty64(P1).reshape((1, P1))) if mx and t1_perm(P1) else (ze, zo)
     hep, hop = (empty64(G * P3).reshape((G, P3)), empty64(G * P3).reshape((G, P3))) if mx and t1_perm(P3) \
         else (he, ho)
-    if mx:
-        split_evens_odds(z, ze, zo)
-        if t1_perm(P1):
-            perm_steps(ze, zo, zep, zop)
+    return gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop
+
+
+@njit(cache=True, nogil=True)
+def _end_moe(c, fl, dall, ids, wts, z, gu_s, norm, eps, nw, situ, beta, lb, has_lb, tab, mode, y, base, dsh, sc):
+    """Thread c's part of an MoE block run at the end of a mixer's region (``_end_part``),
+    every routed expert of the layer at hand (descriptors dall [E, 3, ...]): the chosen
+    experts' descriptors and z's split (one thread), then ``_moe_decode1``'s steps (its
+    flags ``fl``, its workspace ``sc`` from ``_moe_scratch``)."""
+    gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop = sc
+    mx = dall.shape[2] == 4
+    if region.claim(fl, 9):
+        for j in range(dsh.shape[0]):
+            dsh[j] = dall[ids[0, j]]
+        _mx_input(z, mx, P1, ze, zo, zep, zop)
+        region.finish(fl, 9)
+    region.wait(fl, 9)
+    _moe_decode1_part(c, z, dsh, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx, gu, hx,
+                      contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb, tab, mode, y, base):
+    """moe_decode's region: the experts' gate and up products (gates on one half, ups on
+    the other), their GLU (one thread), the down products (the experts in two halves),
+    ``_moe_mix1`` (one thread), the table's BF16 rows (latent up-projection, shared
+    expert's down projection: each in halves), the sum (one thread). ``mode``: y is the
+    up-projection (0), plus the shared expert's down (1), the mix plus it (2), the mix (3);
+    then plus ``base`` where it is not empty. Returns False, having done nothing, where
+    the descriptors do not chain on z (``_chains``)."""
+    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
+    if not _chains(d, dz) or d.shape[2] == 4 and (dz % 2 or inter % 2):
+        return False
+    mx = d.shape[2] == 4
+    gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop = _moe_scratch(
+        G, inter, dz, inter_s, n_out, mx)
+    _mx_input(z, mx, P1, ze, zo, zep, zop)
     fl = region.flags(9)
     for i in prange(2):
-        _moe_decode1_part(np.int64(i), z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, mx, gu,
-                          hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
+        _moe_decode1_part(np.int64(i), z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx,
+                          gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
+    return True
 
 
-def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: tuple | None, up_w, down_w):
+def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: tuple | None, up_w, down_w,
+               base: torch.Tensor | None = None):
     """An MoE block's one-token step after the router and the expert fetch, in ONE
     parallel region (k3.quant.region): the routed experts (descriptors ``descs`` [k, 3,
     ...] in top-k order, every expert of one kernel format: ``expert_ffn``'s products
     and GLU), ``moe_mix`` (their weighted sum wts [1, k], the latent norm with norm_w,
-    the shared expert's GLU of shared_gu = (gate, up) [1, inter]), the latent
-    up-projection ``up_w`` (bf16 [d, latent]) and the shared expert's down projection
-    ``down_w`` (bf16 [d, inter]) where the model has them, and their sum: the bits of
-    those calls one by one (each product by the one-token kernels' row code). z: the
-    experts' input [1, latent] (fp32). Returns y [1, d], or None where this is not the
-    path (no fused math, not one token, projections not contiguous bf16 matrices,
-    descriptors that do not chain on z)."""
+    the shared expert's GLU of shared_gu = (gate, up) [1, inter], or gate | up as one
+    flat array), the latent up-projection ``up_w`` (bf16 [d, latent]) and the shared
+    expert's down projection ``down_w`` (bf16 [d, inter]) where the model has them, and
+    their sum, plus ``base`` [1, d] where given (the residual stream: h + the FFN): the
+    bits of those calls one by one (each product by the one-token kernels' row code).
+    z: the experts' input [1, latent] (fp32). Returns y [1, d], or None where this is
+    not the path (no fused math, not one token, projections not contiguous bf16
+    matrices, descriptors that do not chain on z)."""
     if not USE_VML or z.dim() != 2 or z.shape[0] != 1 or descs.ndim != 3 or descs.shape[0] == 0:
         return None
     zn = _array(z)
     dz = zn.shape[1]
-    if not _chains(descs, dz) or descs.shape[2] == 4 and (dz % 2 or descs[0, 0, 0] % 2):
+    gu = _NO_GAIN if shared_gu is None else shared_gu if type(shared_gu) is np.ndarray else _gate_up(*shared_gu)
+    inter_s = gu.size // 2
+    if up_w is None or down_w is None:   # (kept per layer only under the shared expert's down matrix)
+        p = _moe_plan_fill(_Plan(), [up_w, down_w], dz, inter_s)
+    else:
+        p = _layer_plan(_MOE_PLANS, [up_w, down_w], (dz, inter_s), _moe_plan_fill)
+    if p is None or p.tab is None or (down_w is None) != (shared_gu is None):
         return None
+    y = np.empty(p.n_out, np.float32)
+    bn = _NO_GAIN if base is None else _flat(base)
+    if bn.size not in (0, p.n_out):
+        return None
+    if not _moe_decode1(zn, descs, _array(wts), norm_w is not None, float(eps),
+                        _NO_GAIN if norm_w is None else described(norm_w, _f32_gain), gu, inter_s,
+                        *_glu_params(situ), p.tab, p.mode, y, bn):
+        return None
+    return torch.from_numpy(y).view(1, p.n_out)
+
+
+#: id(the shared expert's down projection, else the latent up-projection) -> its table
+_MOE_PLANS: dict = {}
+
+
+def _moe_plan_fill(p: _Plan, mats, dz: int, inter_s: int) -> _Plan:
+    """moe_decode's table of BF16 rows (latent up-projection, shared expert's down) and
+    its mode, or tab None where the projections do not fit."""
+    up_w, down_w = mats
+    p.tab = None
     if any(w is not None and not _bf16_2d(w) for w in (up_w, down_w)):
-        return None
-    inter_s = 0 if shared_gu is None else shared_gu[0].shape[-1]
+        return p
     n_out = up_w.shape[0] if up_w is not None else dz
-    if ((up_w is not None and up_w.shape[1] != dz) or (down_w is not None and down_w.shape != (n_out, inter_s))
-            or (down_w is None) != (shared_gu is None)):
-        return None
+    if (up_w is not None and up_w.shape[1] != dz) or (down_w is not None and down_w.shape != (n_out, inter_s)):
+        return p
     rows = []
     if up_w is not None:
         rows.append((dz, n_out, up_w.data_ptr(), 1, 0, 2, 0))
     if down_w is not None:
         rows.append((inter_s, n_out, down_w.data_ptr(), 1, dz, 1, dz + inter_s))
-    mode = (1 if down_w is not None else 0) if up_w is not None else (2 if down_w is not None else 3)
-    tab = np.array(rows, np.int64).reshape(len(rows), 7)
-    y = np.empty(n_out, np.float32)
-    _moe_decode1(zn, descs, _array(wts), norm_w is not None, float(eps),
-                 _NO_GAIN if norm_w is None else described(norm_w, _f32_gain),
-                 _NO_GAIN if shared_gu is None else _gate_up(*shared_gu), inter_s, *_glu_params(situ), tab, mode, y)
-    return torch.from_numpy(y).view(1, n_out)
+    p.mode = (1 if down_w is not None else 0) if up_w is not None else (2 if down_w is not None else 3)
+    p.tab = np.array(rows, np.int64).reshape(len(rows), 7)
+    p.n_out = n_out
+    return p
 
 
 def _shape_of(w) -> str:
@@ -1930,7 +1993,9 @@ def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_
 @njit(cache=True, nogil=True)
 def _kda_layer1_part(c, x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps,
                      qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0, S, o, ow, eps,
-                     z, yn, out, q3, k3, v3, e3, fl):
+                     z, yn, out, q3, k3, v3, e3, fl, emode, has_p, V, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk,
+                     rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout, dsh, sc,
+                     mfl):
     """Thread c's part of ``_kda_layer1`` (a plain function: the region's loop body,
     compiled once, not into the parallel loop's lowering)."""
     region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)
@@ -1954,11 +2019,15 @@ def _kda_layer1_part(c, x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1,
         region.finish(fl, 7)
     region.wait(fl, 7)
     region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 8, c)
+    _end_part(c, fl, np.int64(10), emode, has_p, V, y, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk, rbias, rscale,
+              ids, wts, e, dall, mi, mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout, dsh, sc, mfl)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, lb, lb_mode, S0, S, ow, eps):
-    """kda_decode_layer's region (``_KdaPlan`` has the table and the workspace layout):
+def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, lb, lb_mode, S0, S, ow, eps,
+               emode, has_p, V, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi,
+               mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout):
+    """kda_decode_layer's region (its ``_Plan`` has the table and the workspace layout):
     table rows 0 .. p0-1 (the projections of x), p0 .. p1-1 (the gate's second
     projections), then the steps of ``_kda_decode1`` (inputs and decay on one thread,
     the recurrence's heads in two halves, the gated norm on one thread), then the rows
@@ -1993,11 +2062,14 @@ def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, l
     o = np.empty((1, H, dv), np.float32)
     yn = np.empty((H, dv), np.float32)
     q3, k3, v3, e3 = q.reshape(1, H, dk), k.reshape(1, H, dk), v.reshape(1, H, dv), eg.reshape(1, H, dk)
-    fl = region.flags(10)
+    fl = region.flags(14)
+    dsh, sc, mfl = _end_setup(dall, mi, rk)
     for i in prange(2):
         _kda_layer1_part(np.int64(i), x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1,
                          n2, l2eps, qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0,
-                         S, o, ow, eps, z, yn, out, q3, k3, v3, e3, fl)
+                         S, o, ow, eps, z, yn, out, q3, k3, v3, e3, fl, emode, has_p, V, mw, meps, vl, nw,
+                         neps, hs, yn2, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta2,
+                         lb2, has_lb, mtab, mout, dsh, sc, mfl)
     return n0, n1, n2
 
 
@@ -2008,37 +2080,250 @@ def _bf16_2d(w) -> bool:
     return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
 
 
-class _KdaPlan:
-    """What kda_decode_layer keeps per layer: the step table (the weights' addresses,
-    the workspace offsets), the layout numbers and the weights' kernel forms (``tab``
-    None: these weights are not for the region), with weak references to the weight
-    objects it was made for (it holds none of them)."""
+# --------------------------------------------------------- a layer's first half, finished in its mixer's region
+# A decode step's mixer region (KDA's, MLA's) may go on past its output y with what the
+# layer does next, so that no call of its own pays a launch for it: the residual step
+# (Kimi-Linear: h' = h + y and the post-attention norm; K3: the partial sum P' = P + y
+# and the FFN's Attention Residuals mix with its post-norm) into yn, then the MoE
+# router's projections of yn (gate, latent down, shared gate and up: one-token rows)
+# and its top-k. Each is the compiled code of the separate calls (add_norm, attn_mix,
+# linears, route_topk), in their order, so the same bits.
+#: residual modes: none, Kimi-Linear's add and norm, K3's partial sum and mix
+END_NONE, END_PLAIN, END_MIX = 0, 1, 2
 
-    __slots__ = ("refs", "H", "q_scale", "tab", "ints", "taps", "qgain", "dtb", "A", "ow", "d_out")
+
+@njit(cache=True, nogil=True)
+def _end_part(c, fl, s, emode, has_p, V, y, mw, meps, vl, nw, neps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts,
+              e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab, out, dsh, sc, mfl):
+    """The layer's next steps after the region's output y (thread c; pieces s .. s+3 of
+    fl, then the MoE block's own flags mfl); see LayerEnd."""
+    if emode == END_NONE:
+        return
+    d = y.size
+    if region.claim(fl, s):
+        if emode == END_PLAIN:
+            h = V.reshape(-1)
+            for t in range(d):
+                hs[t] = h[t] + y[t]
+            _norm_rows(hs.reshape((1, d)), neps, nw, True, yn.reshape((1, d)))
+        else:
+            p = V[V.shape[0] - 1, 0]
+            for t in range(d):
+                p[t] = p[t] + y[t] if has_p else y[t]
+            _attn_mix_norm(V, mw, meps, hs.reshape((1, d)), vl, nw, neps, yn.reshape((1, d)))
+        region.finish(fl, s)
+    region.wait(fl, s)
+    if rtab.shape[0]:
+        region.bf16_step(rtab, 0, rtab.shape[0], yn, rout, rout, fl, s + 1, c)
+        if rk and region.claim(fl, s + 3):
+            E = rtab[0, region.T_N]
+            _route_topk_sum(rout[:E], rbias, rk, ids, wts, e, rscale, np.empty((4, 4, _LANES8), np.float32))
+            region.finish(fl, s + 3)
+        region.wait(fl, s + 3)
+        if dall.shape[0]:   # the MoE block too, every expert of the layer at hand
+            ro = rout.ctypes.data
+            z = yn.reshape((1, d)) if mi[0] < 0 else numba.carray(_f32p(ro + 4 * mi[0]), (1, mi[5]))
+            gu_s = numba.carray(_f32p(ro + 4 * max(mi[1], 0)), (2 * mi[2] if mi[1] >= 0 else 0,))
+            base = hs if emode == END_PLAIN else V[V.shape[0] - 1, 0]
+            _end_moe(c, mfl, dall, ids, wts, z, gu_s, mi[4] != 0, meps2, mnw, situ, beta, lb, has_lb, mtab, mi[3],
+                     out, base, dsh, sc)
 
 
-#: id(o_proj weight) -> its layer's _KdaPlan; the entry goes with that weight object
+@njit(cache=True, nogil=True)
+def _end_setup(dall, mi, k):
+    """_end_part's MoE workspace (empty without ``dall``): the chosen experts'
+    descriptors, ``_moe_scratch``, the MoE steps' flags."""
+    G = k if dall.shape[0] else 0
+    dsh = np.empty((G, 3, dall.shape[2]), np.int64)
+    sc = _moe_scratch(G, dall[0, 0, 0] if G else 0, mi[5], mi[2], mi[6], dall.shape[2] == 4)
+    return dsh, sc, region.flags(10)
+
+
+_NO_ROWS = np.empty((0, 7), np.int64)
+_NO_V = np.empty((1, 1, 0), np.float32)
+_NO_IDS = np.empty((1, 0), np.int64)
+_NO_WTS = np.empty((1, 0), np.float32)
+_NO_EXPERTS = np.empty((0, 3, 3), np.int64)
+_NO_MI = np.zeros(8, np.int64)
+#: the arguments of a region that ends with its output: residual step, router, MoE block
+_END_NONE_ARGS = (END_NONE, False, _NO_V, _NO_GAIN, 0.0, _VL, _NO_GAIN, 0.0, _NO_GAIN, _NO_GAIN,
+                  _NO_ROWS, _NO_GAIN, 0, _NO_GAIN, np.float32(0.0), _NO_IDS, _NO_WTS, _NO_GAIN,
+                  _NO_EXPERTS, _NO_MI, _NO_GAIN, 0.0, False, np.float32(1.0), np.float32(1.0), False, _NO_ROWS,
+                  _NO_GAIN)
+
+
+class LayerEnd:
+    """What a one-token mixer region is asked to finish its layer's first half with
+    (``plain_end`` / ``mix_end``, then ``route``), and after the region (``done``) its
+    results: ``h`` (Kimi-Linear's new hidden state) or ``p`` (K3's new partial sum),
+    ``yn`` (the FFN's input), and with a router ``outs`` (its projections of yn, as
+    ``linears`` splits them) and, where the top-k was done too, ``ids`` and ``wts``."""
+
+    __slots__ = ("args", "d", "done", "h", "p", "yn", "outs", "ids", "wts", "rows", "out")
+
+    def __init__(self):
+        self.done = False
+        self.outs = self.ids = self.wts = self.out = None
+
+    def region_args(self, d: int) -> tuple:
+        """The region's end arguments for an output of d floats (none where they do not fit)."""
+        return self.args if self.d == d else _END_NONE_ARGS
+
+    def route(self, x_dim: int, ws, bias, k: int, renorm: bool, scale: float) -> None:
+        """Also the router's projections of yn by ``ws`` (router gate first, then the
+        others ``linears`` would be given, all contiguous bf16 [n, x_dim]) and, where
+        route_topk would take its one-call form, its top-k; nothing where ws do not fit."""
+        if x_dim != self.d:
+            return
+        p = _layer_plan(_ROUTER_PLANS, list(ws) + ([] if bias is None else [bias]),
+                        (x_dim, k, renorm, scale, bias is not None), _router_plan_fill)
+        if p is None:
+            return
+        rout = np.empty(p.n, np.float32)
+        rk = p.rk
+        ids, wts = (np.empty((1, k), np.int64), np.empty((1, k), np.float32)) if rk else (_NO_IDS, _NO_WTS)
+        self.args = self.args[:10] + (p.tab, rout, rk, p.bn, p.scale, ids, wts,
+                                      np.empty(p.tab[0, region.T_N], np.float32) if rk else _NO_GAIN) \
+            + _END_NONE_ARGS[18:]
+        self.rows = p.sizes
+        self.outs = torch.from_numpy(rout).view(1, -1).split_with_sizes(p.sizes, 1)
+        if rk:
+            self.ids, self.wts = torch.from_numpy(ids), torch.from_numpy(wts)
+
+    def experts(self, descs: np.ndarray, z_row: int | None, gu_row: int | None, norm_w, eps: float,
+                situ: tuple | None, up_w, down_w) -> None:
+        """Also the MoE block, after ``route`` did the top-k: ``descs`` [E, 3, ...] the
+        kernel descriptors (``expert_descriptors``, one format) of every routed expert of
+        the layer, by id, valid through the region; ``z_row`` / ``gu_row`` which of the
+        router's projections are the latent z and the shared expert's gate (its up the
+        next), None for none (z is then yn); moe_decode's other arguments. The region's
+        result ``out`` is then the layer's output, the residual added. Nothing where the
+        experts or projections do not fit."""
+        if self.ids is None or descs.ndim != 3 or descs.shape[0] == 0:
+            return
+        mats = [m for m in (norm_w, up_w, down_w) if m is not None]
+        if not mats:   # nothing to keep the plan under (a model without these is not one of ours)
+            return
+        p = _layer_plan(_MOE_END_PLANS, mats, (z_row, gu_row, tuple(self.rows), self.d, float(eps), situ,
+                                               norm_w is not None, up_w is not None), _moe_end_fill)
+        if p is None:
+            return
+        if p.checked is not descs:   # (the same descriptors while the layer's experts stay put)
+            if not _chains(descs, p.dz) or descs.shape[2] == 4 and (p.dz % 2 or descs[0, 0, 0] % 2):
+                return
+            p.checked = descs
+        out = np.empty(self.d, np.float32)
+        self.args = self.args[:18] + (descs,) + p.tail + (out,)
+        self.out = torch.from_numpy(out).view(1, self.d)
+
+
+#: id(the MoE block's last weight of norm, up, down) -> what LayerEnd.experts passes the region
+_MOE_END_PLANS: dict = {}
+
+
+def _moe_end_fill(p: _Plan, mats, z_row, gu_row, rows: tuple, d: int, eps: float, situ, has_norm: bool,
+                  has_up: bool) -> None:
+    it = iter(mats)
+    norm_w, up_w = (next(it) if has_norm else None), (next(it) if has_up else None)
+    down_w = next(it, None)
+    p.tab = p.checked = None
+    offs = np.cumsum((0,) + rows)
+    p.dz = rows[z_row] if z_row is not None else d
+    inter_s = rows[gu_row] if gu_row is not None else 0
+    if (gu_row is not None and rows[gu_row + 1] != inter_s) or (down_w is None) != (gu_row is None):
+        return
+    m = _moe_plan_fill(_Plan(), [up_w, down_w], p.dz, inter_s)
+    if m.tab is None or m.n_out != d:
+        return
+    mi = np.array([-1 if z_row is None else offs[z_row], -1 if gu_row is None else offs[gu_row], inter_s, m.mode,
+                   norm_w is not None, p.dz, d, 0], np.int64)
+    p.tail = (mi, _NO_GAIN if norm_w is None else _f32_gain(norm_w), float(eps), *_glu_params(situ), m.tab)
+    p.tab = m.tab
+
+
+#: id(a router's bias, else its last projection) -> its one-token rows and top-k numbers
+_ROUTER_PLANS: dict = {}
+
+
+def _router_plan_fill(p: _Plan, mats, d: int, k: int, renorm: bool, scale: float, has_bias: bool) -> None:
+    ws, bias = (mats[:-1], mats[-1]) if has_bias else (mats, None)
+    p.tab = None
+    if not all(_bf16_2d(w) and w.shape[1] == d for w in ws):
+        return
+    rows, off = [], 0
+    for w in ws:
+        rows.append((d, w.shape[0], w.data_ptr(), 0, 0, 1, off))
+        off += w.shape[0]
+    E = ws[0].shape[0]
+    p.bn = _NO_GAIN if bias is None else _f32_vector(bias)
+    p.rk = k if (renorm and k >= _LANES8 and 0 < k <= E and p.bn.shape[0] in (0, E) and _rowsum_ok()) else 0
+    p.n, p.sizes, p.scale = off, [w.shape[0] for w in ws], np.float32(scale)
+    p.tab = np.array(rows, np.int64)
+
+
+def plain_end(h: torch.Tensor, post_w: torch.Tensor, eps: float) -> LayerEnd | None:
+    """Kimi-Linear's residual step for a region to finish with: h' = h + y and yn =
+    rms_norm(h') with the gain post_w (add_norm's math); None where it is not for one."""
+    if not (USE_VML and h.dim() == 2 and h.shape[0] == 1 and h.dtype == torch.float32):
+        return None
+    e = LayerEnd()
+    d = h.shape[1]
+    hs, yn = np.empty(d, np.float32), np.empty(d, np.float32)
+    e.d, e.h, e.yn = d, torch.from_numpy(hs).view(1, d), torch.from_numpy(yn).view(1, d)
+    e.args = (END_PLAIN, False, _array(h).reshape(1, 1, d), _NO_GAIN, 0.0, _VL, described(post_w, _f32_gain),
+              float(eps), hs, yn) + _END_NONE_ARGS[10:]
+    return e
+
+
+def mix_end(bank: list, P: torch.Tensor | None, mix_w: torch.Tensor, eps: float, post_w: torch.Tensor,
+            post_eps: float) -> LayerEnd | None:
+    """K3's residual step for a region to finish with: P' = P + y (y when P is None), then
+    attn_mix of bank + [P'] with the pseudo-query mix_w (fp32, the norm gain folded in)
+    and the post-norm (post_w, post_eps) into yn; None where attn_mix would not run its
+    compiled form (or not one token)."""
+    if not (USE_VML and bank and bank[0].dim() == 2 and bank[0].shape[0] == 1 and bank[0].shape[1] >= _LANES8
+            and _mix_ok()):
+        return None
+    e = LayerEnd()
+    V = torch.stack(bank + [bank[-1] if P is None else P], 0)  # the last row: P, then P' in place
+    d = V.shape[2]
+    yn = np.empty(d, np.float32)
+    e.d, e.p, e.yn = d, V[-1], torch.from_numpy(yn).view(1, d)
+    e.args = (END_MIX, P is not None, V.numpy(), described(mix_w, _gain_array), float(eps), _VL,
+              described(post_w, _f32_gain), float(post_eps), np.empty(d, np.float32), yn) + _END_NONE_ARGS[10:]
+    return e
+
+
+class _Plan:
+    """What a region keeps per layer (``_layer_plan``): its step table (``tab`` None:
+    these weights are not for the region) and what its fill adds (layout numbers, the
+    weights' kernel forms), with weak references to the weight objects it was made for
+    (it holds none of them)."""
+
+
+#: id(o_proj weight) -> its layer's KDA plan; the entry goes with that weight object
 _KDA_PLANS: dict = {}
 
 
-def _kda_plan(mats, H: int, q_scale: float, d: int) -> _KdaPlan | None:
-    """The plan for these weights (made once per live set of weight objects; ``mats``:
-    kda_decode_layer's ws, f_b, g_b, the three conv weights, A_log, dt_bias, o_norm_w,
-    o_w), or None where the region does not take them."""
-    o_w = mats[-1]
-    key = id(o_w)
-    p = _KDA_PLANS.get(key)
-    if not (p is not None and p.H == H and p.q_scale == q_scale and len(p.refs) == len(mats)
+def _layer_plan(plans: dict, mats, params: tuple, fill) -> _Plan | None:
+    """The plan of a layer's weights ``mats`` (None for an absent one) and ``params``:
+    ``fill(plan, mats, *params)`` once per live set of weight objects, kept in ``plans``
+    under the last one (whose end drops the entry); None where the region does not take
+    them."""
+    last = mats[-1]
+    key = id(last)
+    p = plans.get(key)
+    if not (p is not None and p.params == params and len(p.refs) == len(mats)
             and all(r() is m for r, m in zip(p.refs, mats))):
-        p = _KdaPlan()
+        p = _Plan()
         try:
-            p.refs = tuple(weakref.ref(m, (lambda _r, k=key, plans=_KDA_PLANS: plans.pop(k, None)) if m is o_w
+            p.refs = tuple(weakref.ref(m, (lambda _r, k=key, plans=plans: plans.pop(k, None)) if m is last
                                        else None) if m is not None else _NONE_REF for m in mats)
         except TypeError:   # objects without weak references: nothing kept
             return None
-        p.H, p.q_scale = H, q_scale
-        _kda_plan_fill(p, mats, H, q_scale, d)
-        _KDA_PLANS[key] = p
+        p.params = params
+        fill(p, mats, *params)
+        plans[key] = p
     return p if p.tab is not None else None
 
 
@@ -2049,7 +2334,7 @@ def _none() -> None:
 _NONE_REF = _none   # stands for an absent weight (g_b of a full-rank gate): calling it gives None
 
 
-def _kda_plan_fill(p: _KdaPlan, mats, H: int, q_scale: float, d: int) -> None:
+def _kda_plan_fill(p: _Plan, mats, H: int, q_scale: float, d: int) -> None:
     ws, (f_b, g_b), conv_ws, (a_log, dt_bias, o_norm_w, o_w) = mats[:6], mats[6:8], mats[8:11], mats[11:]
     p.tab = None
     if len(ws) != 6 or not all(_bf16_2d(w) for w in ws + [f_b, o_w] + ([g_b] if g_b is not None else [])):
@@ -2088,7 +2373,8 @@ def _kda_plan_fill(p: _KdaPlan, mats, H: int, q_scale: float, d: int) -> None:
 
 
 def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_scale: float, a_log, dt_bias,
-                     n_heads: int, lower_bound: float | None, S0, into, o_norm_w, eps: float, o_w):
+                     n_heads: int, lower_bound: float | None, S0, into, o_norm_w, eps: float, o_w,
+                     end: LayerEnd | None = None):
     """KDA's whole one-token step after its input norm, in ONE parallel region (see
     k3.quant.region): the projections of x [1, d] by ``ws`` (q, k, v, f_a, b and the
     gate: g_proj, or g_a_proj when ``g_b`` is its second projection), the decay's
@@ -2097,14 +2383,16 @@ def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_sca
     projection ``o_w``. Every number is the one the separate calls give (each product
     by the one-token kernels' row code). What depends on the weights alone (the step
     table with their addresses, their kernel forms) is made once per layer
-    (``_kda_plan``). Returns (y [1, d_out], the new state as kda_decode gives it, [the
+    (``_layer_plan``). Returns (y [1, d_out], the new state as kda_decode gives it, [the
     new conv states]), or None where this is not the path (not one token, a weight not
     a contiguous bf16 matrix, no fused math, shapes kda_decode does not take): the
-    caller then runs the steps as separate calls."""
+    caller then runs the steps as separate calls. ``end``: a LayerEnd the region goes
+    on with after y (its results in it, ``done`` set, when it did)."""
     if not USE_VML or x.dim() != 2 or x.shape[0] != 1 or len(ws) != 6:
         return None
     H = n_heads
-    p = _kda_plan(list(ws) + [f_b, g_b] + list(conv_ws) + [a_log, dt_bias, o_norm_w, o_w], H, q_scale, x.shape[1])
+    p = _layer_plan(_KDA_PLANS, list(ws) + [f_b, g_b] + list(conv_ws) + [a_log, dt_bias, o_norm_w, o_w],
+                    (H, q_scale, x.shape[1]), _kda_plan_fill)
     if p is None:
         return None
     dk, dv = int(p.ints[3]), int(p.ints[4])
@@ -2115,9 +2403,186 @@ def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_sca
     into = _state_into(into, S0, (H, dk, dv))
     y = np.empty(p.d_out, np.float32)
     lb_mode = lower_bound is not None
+    ea = _END_NONE_ARGS if end is None else end.region_args(p.d_out)
     news = _kda_layer1(xn, y, p.tab, p.ints, *p.taps, *sn, float(l2_eps), p.qgain, p.dtb, p.A,
-                       np.float32(lower_bound if lb_mode else 0.0), lb_mode, S0n, into.numpy(), p.ow, float(eps))
+                       np.float32(lower_bound if lb_mode else 0.0), lb_mode, S0n, into.numpy(), p.ow, float(eps), *ea)
+    if ea is not _END_NONE_ARGS:
+        end.done = True
     return torch.from_numpy(y).view(1, -1), into, [torch.from_numpy(n) for n in news]
+
+
+
+# ------------------------------------------------------------------ MLA's one-token step
+# MLA work-array slots (``ints``): heads, nope, rope, v dims, latent rank, q_a rows (0:
+# no q LoRA), gated, then the offsets of q_a's output, ckv, the gate's input, the
+# normed q_a, q, o and the gated o.
+_M_H, _M_NOPE, _M_ROPE, _M_VD, _M_L, _M_QR, _M_GATED, _M_QA, _M_CKV, _M_G, _M_QN, _M_Q, _M_O, _M_OG, _M_NW = range(15)
+
+
+@njit(cache=True, nogil=True)
+def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, ckv, q, o, gz, og, wkv, kb, vb, past,
+                     qgain, cgain, neps, scale, ql, a, b, p, s, v, acc, acc8, fl, emode, has_p, V, mw, meps, vl, nw,
+                     eneps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta,
+                     lb, has_lb, mtab, mout, dsh, sc, mfl):
+    """Thread c's part of ``_mla_layer1`` (its loop body, compiled once)."""
+    n = past + 1
+    dq = nope + rope
+    region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)       # q_a (or q), kv_a, the gate's input
+    if region.claim(fl, 2):
+        if qa.shape[1]:
+            _norm_rows(qa, neps, qgain, True, qn)
+        _norm_rows(ckv[:, :L], neps, cgain, True, kb[past:n])   # the cache's new row, in place
+        for i in range(rope):
+            vb[past, i] = ckv[0, L + i]
+        region.finish(fl, 2)
+    region.wait(fl, 2)
+    region.bf16_step(tab, p0, p1, x, work, y, fl, 3, c)      # q_b (q LoRA)
+    hm = H // 2
+    for j in range(2):     # per head: the absorbed query W_k^T q_nope, its latent and rope scores
+        h = c if j == 0 else 1 - c
+        if region.claim(fl, 5 + h):
+            for g in range(0 if h == 0 else hm, hm if h == 0 else H):
+                _prods_block(g, q, 0, 0, 0, dq, wkv, 0, nope + vd, 0, 0, 1, L, nope, -1, False, ql, L, H * L)
+                _dots_block(g, ql.reshape((1, H * L)), 0, 0, 0, L, kb, 0, 0, 0, 0, 1, n, L, past, True, a, n, n, acc)
+                _dots_block(g, q, 0, 0, nope, dq, vb, 0, 0, 0, 0, 1, n, rope, past, True, b, n, n, acc)
+            region.finish(fl, 5 + h)
+    region.wait(fl, 5)
+    region.wait(fl, 6)
+    if region.claim(fl, 7):
+        _scores_softmax1(a, b, scale, p, s, acc8)
+        region.finish(fl, 7)
+    region.wait(fl, 7)
+    vf = v.reshape(-1)
+    for j in range(2):     # per head: the weighted latents over their sum, then W_v of them
+        h = c if j == 0 else 1 - c
+        if region.claim(fl, 8 + h):
+            for g in range(0 if h == 0 else hm, hm if h == 0 else H):
+                _prods_block(g, p, 0, 1, 0, 0, kb, 0, 0, 0, 0, 1, L, n, past, True, vf, L, L)
+                for i in range(g * L, g * L + L):
+                    vf[i] = vf[i] / s[g]
+                _dots_block(g, v.reshape((1, H * L)), 0, 0, 0, L, wkv, nope, nope + vd, 0, 0, 1, vd, L, 0, False,
+                            o, vd, H * vd, acc)
+            region.finish(fl, 8 + h)
+    region.wait(fl, 8)
+    region.wait(fl, 9)
+    if gz.size and region.claim(fl, 10):
+        _gate1(o, gz, og)
+        region.finish(fl, 10)
+    region.wait(fl, 10)
+    region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 11, c)   # o_proj
+    _end_part(c, fl, np.int64(13), emode, has_p, V, y, mw, meps, vl, nw, eneps, hs, yn, rtab, rout, rk, rbias, rscale,
+              ids, wts, e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab, mout, dsh, sc, mfl)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _mla_layer1(x, y, tab, ints, wkv, kb, vb, past, qgain, cgain, neps, scale, emode, has_p, V, mw, meps, vl, nw, eneps,
+               hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab,
+               mout):
+    """mla_decode_layer's region (``_mla_plan`` has the table and the workspace layout,
+    ``ints``: the _M_* slots): table rows 0 .. p0-1 (the projections of x), the norms
+    and the cache's new row (one thread), rows p0 .. p1-1 (q_b), the heads' absorbed
+    queries and scores in two halves, the softmax (one thread), the heads' weighted
+    latents and values in two halves, the output gate (one thread), then the rows from
+    p1 (o_proj, into y)."""
+    H, nope, rope, vd, L, qr, gated = (ints[_M_H], ints[_M_NOPE], ints[_M_ROPE], ints[_M_VD], ints[_M_L],
+                                       ints[_M_QR], ints[_M_GATED])
+    n = past + 1
+    p0 = 2 + gated
+    p1 = p0 + (1 if qr else 0)
+    work = np.empty(ints[_M_NW], np.float32)
+    wp = work.ctypes.data
+    qa = numba.carray(_f32p(wp + 4 * ints[_M_QA]), (1, qr))
+    qn = numba.carray(_f32p(wp + 4 * ints[_M_QN]), (1, qr))
+    ckv = numba.carray(_f32p(wp + 4 * ints[_M_CKV]), (1, L + rope))
+    q = numba.carray(_f32p(wp + 4 * ints[_M_Q]), (1, H * (nope + rope)))
+    o = numba.carray(_f32p(wp + 4 * ints[_M_O]), (H * vd,))
+    gz = numba.carray(_f32p(wp + 4 * ints[_M_G]), (H * vd * gated,))
+    og = numba.carray(_f32p(wp + 4 * ints[_M_OG]), (H * vd * gated,))
+    ql = np.empty(H * L, np.float32)
+    a = np.zeros(H * n, np.float32)
+    b = np.zeros(H * n, np.float32)
+    p = np.empty((H, n), np.float32)
+    s = np.empty(H, np.float32)
+    v = np.empty((H, L), np.float32)
+    acc = np.empty((2, _NTA * _NRA, LANES), np.float32)
+    acc8 = np.empty((4, 4, _LANES8), np.float32)
+    fl = region.flags(17)
+    dsh, sc, mfl = _end_setup(dall, mi, rk)
+    for i in prange(2):
+        _mla_layer1_part(np.int64(i), x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, ckv, q, o, gz, og, wkv,
+                         kb, vb, past, qgain, cgain, neps, scale, ql, a, b, p, s, v, acc[i], acc8, fl, emode, has_p, V,
+                         mw, meps, vl, nw, eneps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw,
+                         meps2, situ, beta, lb, has_lb, mtab, mout, dsh, sc, mfl)
+
+
+#: id(o_proj weight) -> its layer's MLA plan; the entry goes with that weight object
+_MLA_PLANS: dict = {}
+
+
+def _mla_plan_fill(p: _Plan, mats, H: int, nope: int, rope: int, vd: int, L: int, d: int) -> None:
+    q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w = mats
+    p.tab = None
+    lora = q_b is not None
+    of_x = [q_a, kv_a] + ([g_w] if g_w is not None else [])
+    if not all(_bf16_2d(w) for w in of_x + [wkv, o_w] + ([q_b] if lora else [])) or any(w.shape[1] != d for w in of_x):
+        return
+    dq, qr = nope + rope, q_a.shape[0] if lora else 0
+    if ((q_b if lora else q_a).shape[0] != H * dq or (lora and (q_b.shape[1] != qr or q_norm.numel() != qr))
+            or kv_a.shape[0] != L + rope or kv_norm.numel() != L or wkv.shape != (H * (nope + vd), L)
+            or (g_w is not None and g_w.shape[0] != H * vd) or o_w.shape[1] != H * vd):
+        return
+    o_qa, o_ckv = 0, qr
+    o_g = o_ckv + L + rope
+    o_qn = o_g + (H * vd if g_w is not None else 0)
+    o_q = o_qn + qr
+    o_o = o_q + H * dq
+    o_og = o_o + H * vd
+    nw = o_og + (H * vd if g_w is not None else 0)
+    rows = [(d, q_a.shape[0], q_a.data_ptr(), 0, 0, 1, o_qa if lora else o_q),
+            (d, L + rope, kv_a.data_ptr(), 0, 0, 1, o_ckv)]
+    if g_w is not None:
+        rows.append((d, H * vd, g_w.data_ptr(), 0, 0, 1, o_g))
+    if lora:
+        rows.append((qr, H * dq, q_b.data_ptr(), 1, o_qn, 1, o_q))
+    rows.append((H * vd, o_w.shape[0], o_w.data_ptr(), 1, o_og if g_w is not None else o_o, 2, 0))
+    p.tab = np.array(rows, np.int64)
+    p.ints = np.array([H, nope, rope, vd, L, qr, int(g_w is not None), o_qa, o_ckv, o_g, o_qn, o_q, o_o, o_og, nw],
+                      np.int64)
+    p.wkv = wkv.view(torch.int16).numpy()
+    p.qgain = described(q_norm, _f32_gain) if lora else _NO_GAIN
+    p.cgain = described(kv_norm, _f32_gain)
+    p.d_out = o_w.shape[0]
+
+
+def mla_decode_layer(x, q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w, kb, vb, past: int, H: int, nope: int,
+                     rope: int, vd: int, eps: float, scale: float, end: LayerEnd | None = None):
+    """Latent MLA's whole one-token step after its input norm, in ONE parallel region
+    (k3.quant.region), for a query at position ``past`` whose keys all lie in one
+    softmax tile: the projections of x [1, d] by q_a (q_proj when ``q_b`` is None: no q
+    LoRA), kv_a and the output gate's g_w (None: no gate); q_a's norm (q_norm, ``eps``)
+    and q_b; the latent's norm (kv_norm) and the new cache row, written into kb [>past,
+    L] and vb [>past, rope] (the state's buffers) at row ``past``; per head the absorbed
+    query, the scores, ``scores_softmax``, the weighted latents over their sum and W_v of
+    them (kv_b_proj ``wkv``: its key and value halves), the gate, o_proj ``o_w``: the
+    calls ``mla_layer`` makes one by one (``dots``, ``prods`` and the one-token kernels'
+    row code, the same blocks), so the same bits. Returns y [1, d_out], or None where
+    this is not the path (not one token, no fused math or torch's row sum not re-done
+    here, a weight not a contiguous bf16 matrix, shapes that do not fit): nothing
+    written then. ``end``: a LayerEnd the region goes on with after y (its results in
+    it, ``done`` set, when it did)."""
+    if not (USE_VML and x.dim() == 2 and x.shape[0] == 1 and _rowsum_ok()):
+        return None
+    L = kv_norm.numel()
+    p = _layer_plan(_MLA_PLANS, [q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w], (H, nope, rope, vd, L, x.shape[1]),
+                    _mla_plan_fill)
+    if p is None or kb.shape[1] != L or vb.shape[1] != rope or min(kb.shape[0], vb.shape[0]) <= past:
+        return None
+    y = np.empty(p.d_out, np.float32)
+    ea = _END_NONE_ARGS if end is None else end.region_args(p.d_out)
+    _mla_layer1(_flat(x), y, p.tab, p.ints, p.wkv, kb, vb, past, p.qgain, p.cgain, float(eps), np.float32(scale), *ea)
+    if ea is not _END_NONE_ARGS:
+        end.done = True
+    return torch.from_numpy(y).view(1, -1)
 
 
 def warm() -> None:
@@ -2148,9 +2613,9 @@ def warm() -> None:
 
 
 def _warm_regions(H: int, dk: int, dv: int) -> None:
-    """kda_decode_layer and moe_decode once each on tiny weights of the kinds decode
-    gives them (bf16 matrices and norm gains; MXFP4 and BF16 experts; with a latent
-    norm and without)."""
+    """kda_decode_layer, moe_decode and mla_decode_layer on tiny weights of the kinds
+    decode gives them (bf16 matrices and norm gains; MXFP4 and BF16 experts; with a
+    latent norm and without; a region with a LayerEnd and without)."""
     d, r, inter, G = 64, 8, 64, 2
     mat = lambda n, k: torch.zeros(n, k, dtype=torch.bfloat16)  # noqa: E731
     ws = [mat(n, d) for n in (H * dk, H * dk, H * dv, r, H, r)]
@@ -2165,6 +2630,21 @@ def _warm_regions(H: int, dk: int, dv: int) -> None:
     moe_decode(torch.zeros(1, d), mx, torch.zeros(1, G), torch.ones(d, dtype=torch.bfloat16), 1e-6, shared,
                (4.0, 25.0), mat(d, d), mat(d, inter))
     moe_decode(torch.zeros(1, d), bf, torch.zeros(1, G), None, 1e-6, shared, None, None, mat(d, inter))
+    # MLA's region, finished with K3's residual step, the router and the MoE block (a
+    # gated, q-LoRA layer: every argument type the region and LayerEnd.experts take)
+    nope = rope = vd = 8
+    qr, L, E = 16, 64, 8
+    end = mix_end([torch.zeros(1, d)], None, torch.ones(d), 1e-6, torch.ones(d, dtype=torch.bfloat16), 1e-6)
+    if end is not None:
+        end.route(d, [mat(E, d), mat(inter, d), mat(inter, d)], None, E, True, 1.0)
+        end.experts(expert_descriptors("bf16", [mat(inter, d)] * 3 * E).reshape(E, 3, -1), None, 1, None, 1e-6,
+                    None, None, mat(d, inter))
+    for e in (None, end):
+        mla_decode_layer(torch.zeros(1, d), mat(qr, d), torch.ones(qr, dtype=torch.bfloat16),
+                         mat(H * (nope + rope), qr), mat(L + rope, d), torch.ones(L, dtype=torch.bfloat16),
+                         mat(H * (nope + vd), L),
+                         mat(H * vd, d), mat(d, H * vd), np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32),
+                         0, H, nope, rope, vd, 1e-6, 0.25, e)
 
 
 def _exp_vector(a: torch.Tensor) -> np.ndarray:

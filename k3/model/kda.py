@@ -190,8 +190,9 @@ def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
         _, st.S = kda_recurrent(r["q"][:keep], r["k"][:keep], r["v"][:keep], r["g"][:keep], r["beta"][:keep], S0)
 
 
-def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None) -> torch.Tensor:
-    """Full KDA mixer on the normed input x [T, d]; updates `st` in place if given."""
+def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None, end=None) -> torch.Tensor:
+    """Full KDA mixer on the normed input x [T, d]; updates `st` in place if given. ``end``: a
+    k3.model.fused.LayerEnd the one-token region may finish the layer's first half with."""
     T = x.shape[0]
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     st = st if st is not None else KDAState()
@@ -204,7 +205,7 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
                                 [st.conv_q, st.conv_k, st.conv_v], KDA_L2_EPS, D ** -0.5, w["self_attn.A_log"],
                                 w["self_attn.dt_bias"], H, cfg.gate_lower_bound, st.S,
                                 _pool_take((H, ws[0].shape[0] // H, ws[2].shape[0] // H)),
-                                w["self_attn.o_norm.weight"], cfg.rms_norm_eps, w["self_attn.o_proj.weight"])
+                                w["self_attn.o_norm.weight"], cfg.rms_norm_eps, w["self_attn.o_proj.weight"], end)
         if step is not None:
             y, S, (st.conv_q, st.conv_k, st.conv_v) = step
             st.advance(S)

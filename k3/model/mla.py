@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .fused import dots, prods, scores_softmax, softmax_merge, softmax_tile
+from .fused import dots, mla_decode_layer, prods, scores_softmax, softmax_merge, softmax_tile
 from .ops import gate as output_gate, linear, linears, rms_norm
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -119,17 +119,30 @@ class MLAState:
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[0]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n0 = self.length
-        n1 = n0 + k.shape[0]
+    def room(self, n: int, k_shape: tuple, v_shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, grown where they had no room for n more positions (one position's
+        key and value shapes; ``like``'s dtype); the cache's length is unchanged until
+        ``extend``."""
+        n1 = self.length + n
         if self._kb is None or n1 > self._kb.shape[0]:  # first use, or past the capacity: grow
+            n0 = self.length
             cap = max(n1, self.capacity, 2 * (0 if self._kb is None else self._kb.shape[0]))
-            kb, vb = k.new_empty(cap, *k.shape[1:]), v.new_empty(cap, *v.shape[1:])
+            kb, vb = like.new_empty(cap, *k_shape), like.new_empty(cap, *v_shape)
             if n0:
                 kb[:n0], vb[:n0] = self.k, self.v
             self._kb, self._vb = kb, vb
-        self._kb[n0:n1], self._vb[n0:n1] = k, v
+        return self._kb, self._vb
+
+    def extend(self, n: int) -> None:
+        """The next n buffer rows (written by the caller) join the cache."""
+        n1 = self.length + n
         self.k, self.v = self._kb[:n1], self._vb[:n1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n0 = self.length
+        kb, vb = self.room(k.shape[0], k.shape[1:], v.shape[1:], k)
+        kb[n0:n0 + k.shape[0]], vb[n0:n0 + k.shape[0]] = k, v
+        self.extend(k.shape[0])
 
     def truncate(self, n: int) -> None:
         """Back to the first n positions (the buffer keeps its room)."""
@@ -139,25 +152,39 @@ class MLAState:
             self.k, self.v = self.k[:n], self.v[:n]
 
 
-def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
+def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None, end=None) -> torch.Tensor:
     """x [T, d] normed input; attends causally over cached positions + these T, in the
-    state's KV form (expanded when there is no state)."""
+    state's KV form (expanded when there is no state). ``end``: a k3.model.fused.LayerEnd
+    the one-token region may finish the layer's first half with."""
     T = x.shape[0]
     H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    # every projection of x in one kernel call
     lora = cfg.q_lora_rank is not None
-    ws = [w["self_attn.q_a_proj.weight" if lora else "self_attn.q_proj.weight"], w["self_attn.kv_a_proj_with_mqa.weight"]]
-    if cfg.mla_use_output_gate:
-        ws.append(w["self_attn.g_proj.weight"])
+    q_w = w["self_attn.q_a_proj.weight" if lora else "self_attn.q_proj.weight"]
+    kv_a = w["self_attn.kv_a_proj_with_mqa.weight"]
+    gate_w = w["self_attn.g_proj.weight"] if cfg.mla_use_output_gate else None
+    scale = (nope + rope) ** -0.5
+    st = st if st is not None else MLAState()
+    past = st.length
+    if T == 1 and st.latent and past < K_TILE:  # decode: the whole step in one parallel region
+        kb, vb = st.room(1, (cfg.kv_lora_rank,), (rope,), x)
+        y = mla_decode_layer(x, q_w, w["self_attn.q_a_layernorm.weight"] if lora else None,
+                             w["self_attn.q_b_proj.weight"] if lora else None, kv_a,
+                             w["self_attn.kv_a_layernorm.weight"], w["self_attn.kv_b_proj.weight"], gate_w,
+                             w["self_attn.o_proj.weight"], kb.numpy(), vb.numpy(), past, H, nope, rope, vd,
+                             cfg.mla_norm_eps, scale, end)
+        if y is not None:
+            st.extend(1)
+            return y
+    # every projection of x in one kernel call
+    ws = [q_w, kv_a]
+    if gate_w is not None:
+        ws.append(gate_w)
     q, ckv, *gate = linears(x, ws)  # ckv [T, kv_lora + rope]
     if lora:
         q = linear(rms_norm(q, w["self_attn.q_a_layernorm.weight"], cfg.mla_norm_eps), w["self_attn.q_b_proj.weight"])
     q = q.reshape(T, H, nope + rope)
     c, k_pe = ckv[:, : cfg.kv_lora_rank], ckv[:, cfg.kv_lora_rank:]
     c = rms_norm(c, w["self_attn.kv_a_layernorm.weight"], cfg.mla_norm_eps)
-    scale = (nope + rope) ** -0.5
-    st = st if st is not None else MLAState()
-    past = st.length
     if st.latent:
         L = cfg.kv_lora_rank
         wkv = w["self_attn.kv_b_proj.weight"]  # [H * (nope + vd), L], read as stored (bf16 widened in registers)

@@ -106,19 +106,79 @@ def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider
     return contrib.view(T, k, d)
 
 
-def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> torch.Tensor:
-    """FFN of an MoE layer on the normed input x [T, d]."""
-    p = "block_sparse_moe."
-    s = p + "shared_experts."
-    latent = cfg.latent_size is not None
-    # every projection of x (router, latent down, shared gate/up) in one call
+def router_projections(cfg, w) -> list:
+    """The projections of an MoE layer's input that need no expert: the router gate, then
+    the latent down-projection and the shared expert's gate and up where the model has
+    them (one call reads them all)."""
+    p, s = "block_sparse_moe.", "block_sparse_moe.shared_experts."
     ws = [w[p + "gate.weight"]]
-    if latent:
+    if cfg.latent_size is not None:
         ws.append(w[p + "routed_expert_down_proj.weight"])
     if cfg.num_shared_experts:
         ws += [w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]
-    outs = linears(x, ws)
-    ids, wts = route(cfg, x, None, w.get(p + "gate.e_score_correction_bias"), logits=outs[0])
+    return ws
+
+
+def route_in(end, cfg, w, layer: int, provider) -> None:
+    """Ask the layer's mixer region (``end``, a k3.model.fused.LayerEnd) for the router's
+    projections and top-k too, and for the whole MoE block where the provider holds every
+    routed expert of the layer (``resident_experts``)."""
+    p, s = "block_sparse_moe.", "block_sparse_moe.shared_experts."
+    end.route(cfg.hidden_size, router_projections(cfg, w), w.get(p + "gate.e_score_correction_bias"),
+              cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    resident = getattr(provider, "resident_experts", None)
+    ews = resident(layer) if end.ids is not None and resident is not None else None
+    if ews is None:
+        return
+    descs = _all_experts(ews)
+    if descs is not None:
+        latent = cfg.latent_size is not None
+        end.experts(descs, 1 if latent else None, (2 if latent else 1) if cfg.num_shared_experts else None,
+                    w[p + "routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None,
+                    cfg.rms_norm_eps, _situ(cfg), w[p + "routed_expert_up_proj.weight"] if latent else None,
+                    w[s + "down_proj.weight"] if cfg.num_shared_experts else None)
+
+
+#: id(a layer's tuple of resident experts) -> (that tuple, their descriptors or None)
+_ALL_EXPERTS: dict = {}
+
+
+def _all_experts(ews: tuple) -> np.ndarray | None:
+    """The kernel descriptors [E, 3, ...] of every routed expert of a layer (``ews``, the
+    tuple a provider hands out unchanged while those experts stay where they are: kept
+    per tuple), or None where they do not share one kernel format."""
+    hit = _ALL_EXPERTS.get(id(ews))
+    if hit is not None and hit[0] is ews:
+        return hit[1]
+    if len(_ALL_EXPERTS) > 1024:   # tuples of experts since moved or evicted
+        _ALL_EXPERTS.clear()
+    descs = _group_format(list(ews))[1]
+    _ALL_EXPERTS[id(ews)] = (ews, descs)
+    return descs
+
+
+def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None, end=None,
+              base: torch.Tensor | None = None) -> torch.Tensor:
+    """FFN of an MoE layer on the normed input x [T, d], plus ``base`` [T, d] where given (the
+    residual stream, added last). ``end``: the LayerEnd whose region made x, with the
+    router's projections (and top-k) of x when it did them."""
+    p = "block_sparse_moe."
+    s = p + "shared_experts."
+    latent = cfg.latent_size is not None
+    if end is not None and end.done and end.out is not None:  # the region ran the block too
+        if observer is not None:
+            observer.on_route(layer, end.ids)
+        used = getattr(provider, "used_experts", None)   # (optional, as resident_experts is)
+        if used is not None:
+            used(layer, end.ids.numpy().reshape(-1).tolist())
+        return end.out
+    if end is not None and end.done and end.outs is not None:
+        outs = end.outs
+        ids, wts = (end.ids, end.wts) if end.ids is not None else route(
+            cfg, x, None, w.get(p + "gate.e_score_correction_bias"), logits=outs[0])
+    else:
+        outs = linears(x, router_projections(cfg, w))   # every projection of x in one call
+        ids, wts = route(cfg, x, None, w.get(p + "gate.e_score_correction_bias"), logits=outs[0])
     z = outs[1] if latent else x
     if observer is not None:
         observer.on_route(layer, ids)
@@ -138,7 +198,7 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> t
             y = None if fmt is None else moe_decode(
                 z, descs, wts, norm_w, cfg.rms_norm_eps, shared_gu, situ,
                 w[p + "routed_expert_up_proj.weight"] if latent else None,
-                w[s + "down_proj.weight"] if cfg.num_shared_experts else None)
+                w[s + "down_proj.weight"] if cfg.num_shared_experts else None, base)
             if y is not None:
                 return y
         groups = groups if first is None else chain([first], groups)
@@ -148,8 +208,9 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None) -> t
         r = linear(r, w[p + "routed_expert_up_proj.weight"])
     if cfg.num_shared_experts:
         r = r + linear(h, w[s + "down_proj.weight"])
-    return r
+    return r if base is None else base + r
 
 
-def dense_mlp(cfg, w, x):
-    return mlp(cfg, x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+def dense_mlp(cfg, w, x, base: torch.Tensor | None = None):
+    y = mlp(cfg, x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+    return y if base is None else base + y

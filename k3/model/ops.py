@@ -166,6 +166,14 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
                           None if post_norm is None else (post_norm, eps))
 
 
+def attn_res_end(bank: list, P: torch.Tensor | None, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+                 post_norm: torch.Tensor):
+    """The FFN-side mix of a K3 layer (``attn_res(bank + [P + y], ..., post_norm=...)``,
+    P + y being y when P is None) for the mixer's one-token region to finish with: a
+    k3.model.fused.LayerEnd, or None where it cannot."""
+    return fused.mix_end(bank, P, described(norm_w, _mix_query, proj_w), eps, post_norm, eps)
+
+
 def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
     """w = fp32(norm) * fp32(proj) of an Attention Residuals mix (kept per live pair of
     weight objects by ``described``: it depends on nothing else)."""

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NumericError
-from .fused import add_norm, all_finite
+from .fused import add_norm, all_finite, plain_end
 from .kda import KDAState, kda_layer
 from .kda import rollback as kda_rollback
 from .mla import MLAState, mla_layer
-from .moe import dense_mlp, moe_block
-from .ops import attn_res, linear, rms_norm
+from .moe import dense_mlp, moe_block, route_in
+from .ops import attn_res, attn_res_end, linear, rms_norm
 
 
 @dataclass
@@ -137,28 +137,42 @@ class Model:
     def new_state(self, capacity: int = 0) -> InferenceState:
         return InferenceState.fresh(self.cfg, self.n_layers, capacity, self.kv_latent)
 
-    def _mixer(self, i, w, x, states, cuts):
+    def _mixer(self, i, w, x, states, cuts, end=None):
         """The layer's KDA or MLA mixer, run on each sequence's rows with its own state
-        (the only part of a layer that mixes tokens); `cuts` are the row boundaries."""
-        def one(xs, st):
+        (the only part of a layer that mixes tokens); `cuts` are the row boundaries.
+        ``end``: what a one-token region may finish the layer's first half with
+        (k3.model.fused.LayerEnd; done or not, the mixer's output is returned)."""
+        def one(xs, st, e=None):
             if self.cfg.is_mla(i):
-                return mla_layer(self.cfg, w, xs, st)
-            return kda_layer(self.cfg, w, xs, st, self.kda_chunked)
+                return mla_layer(self.cfg, w, xs, st, e)
+            return kda_layer(self.cfg, w, xs, st, self.kda_chunked, e)
         if len(states) == 1:
-            return one(x, states[0].layers[i])
+            return one(x, states[0].layers[i], end)
         return torch.cat([one(x[a:b], st.layers[i]) for st, a, b in zip(states, cuts, cuts[1:])])
 
-    def _ffn(self, i, w, x, obs):
+    def _end(self, i, w, end):
+        """``end`` (a LayerEnd or None), asked for the router's projections and top-k too
+        when layer i's FFN is a mixture of experts."""
+        if end is not None and self.cfg.is_moe(i):
+            route_in(end, self.cfg, w, i, self.provider)
+        return end
+
+    def _ffn(self, i, w, x, base, obs, end=None):
+        """base + the layer's FFN of x (the residual add, in the FFN's region where it has one)."""
         if self.cfg.is_moe(i):
-            return moe_block(self.cfg, w, x, i, self.provider, obs)
-        return dense_mlp(self.cfg, w, x)
+            return moe_block(self.cfg, w, x, i, self.provider, obs, end, base)
+        return dense_mlp(self.cfg, w, x, base)
 
     def plain_layer(self, i, w, h, states, cuts, obs=None):
         eps = self.cfg.rms_norm_eps
-        # the residual add and the next pre-norm in one call
-        h, y = add_norm(h, self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts),
-                        w["post_attention_layernorm.weight"], eps)
-        return h + self._ffn(i, w, y, obs)
+        post = w["post_attention_layernorm.weight"]
+        end = self._end(i, w, plain_end(h, post, eps)) if len(states) == 1 else None
+        a = self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts, end)
+        if end is not None and end.done:  # the region did the add and the norm
+            h, y = end.h, end.yn
+        else:  # the residual add and the next pre-norm in one call
+            h, y = add_norm(h, a, post, eps)
+        return self._ffn(i, w, y, h, obs, end)
 
     def attn_res_layer(self, i, w, bank: list, P, states, cuts, obs=None):
         """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
@@ -171,11 +185,16 @@ class Model:
         if i % self.cfg.attn_res_block_size == 0:
             bank.append(P)
             P = None
-        a = self._mixer(i, w, xn, states, cuts)
-        P = a if P is None else P + a
-        yn = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps,
-                      post_norm=w["post_attention_layernorm.weight"])
-        return P + self._ffn(i, w, yn, obs)
+        post = w["post_attention_layernorm.weight"]
+        end = self._end(i, w, attn_res_end(bank, P, w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps, post)) \
+            if len(states) == 1 else None
+        a = self._mixer(i, w, xn, states, cuts, end)
+        if end is not None and end.done:  # the region made P + a and the mix
+            P, yn = end.p, end.yn
+        else:
+            P = a if P is None else P + a
+            yn = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps, post_norm=post)
+        return self._ffn(i, w, yn, P, obs, end)
 
     def hidden(self, ids, state: InferenceState | None = None, observer: Observer | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
