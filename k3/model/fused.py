@@ -2157,13 +2157,59 @@ class LayerEnd:
     (``plain_end`` / ``mix_end``, then ``route``), and after the region (``done``) its
     results: ``h`` (Kimi-Linear's new hidden state) or ``p`` (K3's new partial sum),
     ``yn`` (the FFN's input), and with a router ``outs`` (its projections of yn, as
-    ``linears`` splits them) and, where the top-k was done too, ``ids`` and ``wts``."""
+    ``linears`` splits them) and, where the top-k was done too, ``ids`` and ``wts``;
+    with the MoE block ``out``, the layer's output. (Each a view of the region's numpy
+    output made when asked: the whole-layer path asks for ``out`` alone.)"""
 
-    __slots__ = ("args", "d", "done", "h", "p", "yn", "outs", "ids", "wts", "rows", "out")
+    __slots__ = ("args", "d", "done", "_h", "_P", "_yn", "_rout", "_ids", "_wts", "rows", "_out")
 
     def __init__(self):
         self.done = False
-        self.outs = self.ids = self.wts = self.out = None
+        self._h = self._P = self._rout = self._ids = self._wts = self._out = None
+
+    @property
+    def h(self) -> torch.Tensor | None:
+        return None if self._h is None else torch.from_numpy(self._h).view(1, self.d)
+
+    @property
+    def p(self) -> torch.Tensor | None:
+        return None if self._P is None else self._P[-1]
+
+    @property
+    def yn(self) -> torch.Tensor:
+        return torch.from_numpy(self._yn).view(1, self.d)
+
+    @property
+    def outs(self) -> tuple | None:
+        return None if self._rout is None else torch.from_numpy(self._rout).view(1, -1).split_with_sizes(self.rows, 1)
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return None if self._ids is None else torch.from_numpy(self._ids)
+
+    @property
+    def wts(self) -> torch.Tensor | None:
+        return None if self._wts is None else torch.from_numpy(self._wts)
+
+    @property
+    def out(self) -> torch.Tensor | None:
+        return None if self._out is None else torch.from_numpy(self._out).view(1, self.d)
+
+    @property
+    def has_outs(self) -> bool:
+        return self._rout is not None
+
+    @property
+    def has_ids(self) -> bool:
+        return self._ids is not None
+
+    @property
+    def has_out(self) -> bool:
+        return self._out is not None
+
+    def id_list(self) -> list[int]:
+        """The chosen experts' ids, as a list."""
+        return self._ids.reshape(-1).tolist()
 
     def region_args(self, d: int) -> tuple:
         """The region's end arguments for an output of d floats (none where they do not fit)."""
@@ -2185,10 +2231,9 @@ class LayerEnd:
         self.args = self.args[:10] + (p.tab, rout, rk, p.bn, p.scale, ids, wts,
                                       np.empty(p.tab[0, region.T_N], np.float32) if rk else _NO_GAIN) \
             + _END_NONE_ARGS[18:]
-        self.rows = p.sizes
-        self.outs = torch.from_numpy(rout).view(1, -1).split_with_sizes(p.sizes, 1)
+        self.rows, self._rout = p.sizes, rout
         if rk:
-            self.ids, self.wts = torch.from_numpy(ids), torch.from_numpy(wts)
+            self._ids, self._wts = ids, wts
 
     def experts(self, descs: np.ndarray, z_row: int | None, gu_row: int | None, norm_w, eps: float,
                 situ: tuple | None, up_w, down_w) -> None:
@@ -2199,7 +2244,7 @@ class LayerEnd:
         next), None for none (z is then yn); moe_decode's other arguments. The region's
         result ``out`` is then the layer's output, the residual added. Nothing where the
         experts or projections do not fit."""
-        if self.ids is None or descs.ndim != 3 or descs.shape[0] == 0:
+        if self._ids is None or descs.ndim != 3 or descs.shape[0] == 0:
             return
         mats = [m for m in (norm_w, up_w, down_w) if m is not None]
         if not mats:   # nothing to keep the plan under (a model without these is not one of ours)
@@ -2214,7 +2259,7 @@ class LayerEnd:
             p.checked = descs
         out = np.empty(self.d, np.float32)
         self.args = self.args[:18] + (descs,) + p.tail + (out,)
-        self.out = torch.from_numpy(out).view(1, self.d)
+        self._out = out
 
 
 #: id(the MoE block's last weight of norm, up, down) -> what LayerEnd.experts passes the region
@@ -2269,7 +2314,7 @@ def plain_end(h: torch.Tensor, post_w: torch.Tensor, eps: float) -> LayerEnd | N
     e = LayerEnd()
     d = h.shape[1]
     hs, yn = np.empty(d, np.float32), np.empty(d, np.float32)
-    e.d, e.h, e.yn = d, torch.from_numpy(hs).view(1, d), torch.from_numpy(yn).view(1, d)
+    e.d, e._h, e._yn = d, hs, yn
     e.args = (END_PLAIN, False, _array(h).reshape(1, 1, d), _NO_GAIN, 0.0, _VL, described(post_w, _f32_gain),
               float(eps), hs, yn) + _END_NONE_ARGS[10:]
     return e
@@ -2288,7 +2333,7 @@ def mix_end(bank: list, P: torch.Tensor | None, mix_w: torch.Tensor, eps: float,
     V = torch.stack(bank + [bank[-1] if P is None else P], 0)  # the last row: P, then P' in place
     d = V.shape[2]
     yn = np.empty(d, np.float32)
-    e.d, e.p, e.yn = d, V[-1], torch.from_numpy(yn).view(1, d)
+    e.d, e._P, e._yn = d, V, yn
     e.args = (END_MIX, P is not None, V.numpy(), described(mix_w, _gain_array), float(eps), _VL,
               described(post_w, _f32_gain), float(post_eps), np.empty(d, np.float32), yn) + _END_NONE_ARGS[10:]
     return e

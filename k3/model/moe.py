@@ -127,7 +127,7 @@ def route_in(end, cfg, w, layer: int, provider) -> None:
     end.route(cfg.hidden_size, router_projections(cfg, w), w.get(p + "gate.e_score_correction_bias"),
               cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
     resident = getattr(provider, "resident_experts", None)
-    ews = resident(layer) if end.ids is not None and resident is not None else None
+    ews = resident(layer) if end.has_ids and resident is not None else None
     if ews is None:
         return
     descs = _all_experts(ews)
@@ -161,20 +161,21 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None, end=
               base: torch.Tensor | None = None) -> torch.Tensor:
     """FFN of an MoE layer on the normed input x [T, d], plus ``base`` [T, d] where given (the
     residual stream, added last). ``end``: the LayerEnd whose region made x, with the
-    router's projections (and top-k) of x when it did them."""
+    router's projections (and top-k) of x when it did them, or the block's output when
+    it ran the whole block (x and base are then not read)."""
     p = "block_sparse_moe."
     s = p + "shared_experts."
     latent = cfg.latent_size is not None
-    if end is not None and end.done and end.out is not None:  # the region ran the block too
+    if end is not None and end.done and end.has_out:  # the region ran the block too
         if observer is not None:
             observer.on_route(layer, end.ids)
         used = getattr(provider, "used_experts", None)   # (optional, as resident_experts is)
         if used is not None:
-            used(layer, end.ids.numpy().reshape(-1).tolist())
+            used(layer, end.id_list())
         return end.out
-    if end is not None and end.done and end.outs is not None:
+    if end is not None and end.done and end.has_outs:
         outs = end.outs
-        ids, wts = (end.ids, end.wts) if end.ids is not None else route(
+        ids, wts = (end.ids, end.wts) if end.has_ids else route(
             cfg, x, None, w.get(p + "gate.e_score_correction_bias"), logits=outs[0])
     else:
         outs = linears(x, router_projections(cfg, w))   # every projection of x in one call

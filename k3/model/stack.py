@@ -169,6 +169,8 @@ class Model:
         end = self._end(i, w, plain_end(h, post, eps)) if len(states) == 1 else None
         a = self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts, end)
         if end is not None and end.done:  # the region did the add and the norm
+            if end.has_out:   # and the whole MoE block
+                return self._ffn(i, w, None, None, obs, end)
             h, y = end.h, end.yn
         else:  # the residual add and the next pre-norm in one call
             h, y = add_norm(h, a, post, eps)
@@ -190,6 +192,8 @@ class Model:
             if len(states) == 1 else None
         a = self._mixer(i, w, xn, states, cuts, end)
         if end is not None and end.done:  # the region made P + a and the mix
+            if end.has_out:   # and the whole MoE block
+                return self._ffn(i, w, None, None, obs, end)
             P, yn = end.p, end.yn
         else:
             P = a if P is None else P + a
