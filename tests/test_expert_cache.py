@@ -10,8 +10,10 @@ The cache takes its slot count from the memory plan; the planner's
 
 from __future__ import annotations
 
+import gc
 import json
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ from k3.memory.expert_cache import ExpertCache, _span_of, expert_slot_bytes, loc
 from k3.memory.planner import expert_cache_slots
 from k3.memory.streaming import model_sizes
 from k3.model.stack import Model
-from k3.model.weights import Mxfp4Weight
+from k3.model.weights import ExpertSet, Mxfp4Weight
 
 from engines import open_engine
 from k3fixtures import FIXTURES
@@ -489,7 +491,7 @@ def test_resident_layer_while_every_expert_stays(tiny):
         assert c.resident_layer(a) is None
         c.experts(a, [E - 1])
         every = c.resident_layer(a)
-        assert isinstance(every, tuple) and len(every) == E and c.resident_layer(a) is every
+        assert isinstance(every, ExpertSet) and len(every) == E and c.resident_layer(a) is every
         for e in range(E):
             got = c.experts(a, [e])[e]
             assert got.w1.packed.data_ptr() == every[e].w1.packed.data_ptr()
@@ -507,4 +509,8 @@ def test_resident_layer_while_every_expert_stays(tiny):
             pass
         again = c.resident_layer(a)
         assert again is not None and again is not every
+        gone = weakref.ref(every)
+        del every
+        gc.collect()
+        assert gone() is None   # the cache holds no set of a layer it no longer holds whole
         accounting(c.stats())

@@ -210,6 +210,27 @@ def test_moe_decode_equals_the_separate_calls(arch, fmt, latent, shared, situ, t
     assert same(got, want)
 
 
+def test_all_experts_descriptors_live_as_long_as_their_set():
+    """The descriptors of a layer's held experts are made once per ExpertSet (the same
+    array while the set lives) and dropped with it: they never keep a provider's experts
+    alive. A plain tuple (no weak references) gets them made each call."""
+    import gc
+    import weakref
+
+    from k3.model import moe
+    from k3.model.weights import ExpertSet
+    cfg, tensors, g, dz = _moe_case("k3", "mxfp4", 4)
+    ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, range(cfg.num_experts)))).values())
+    held = ExpertSet(ews)
+    descs = moe._all_experts(held)
+    assert descs.shape[:2] == (cfg.num_experts, 3) and moe._all_experts(held) is descs
+    assert np.array_equal(moe._all_experts(tuple(ews)), descs) and moe._all_experts(tuple(ews)) is not descs
+    gone = weakref.ref(held)
+    del held
+    gc.collect()
+    assert gone() is None and all(k is not None for k in moe._ALL_EXPERTS.keys())
+
+
 def test_moe_decode_declines_what_it_does_not_take():
     """More than one token, experts that do not chain on the input, an F32 projection:
     None (the caller runs the separate calls)."""

@@ -56,7 +56,7 @@ import torch
 from ..checkpoint.io import TORCH_DTYPES, ShardFiles, aligned_empty, direct_span
 from ..checkpoint.safetensors import TensorInfo
 from ..errors import CheckpointError, K3Error, ReadError, UsageError
-from ..model.weights import ExpertWeights, Mxfp4Weight
+from ..model.weights import ExpertSet, ExpertWeights, Mxfp4Weight
 from ..units import GB, align_up, human
 
 __all__ = [
@@ -271,7 +271,7 @@ class ExpertCache:
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # oldest first
         self._loc: dict[tuple[int, int], ExpertLocation] = {}
         self._count = [0] * self.n_layers                # each layer's published experts
-        self._every: list = [None] * self.n_layers       # resident_layer's tuple, while it holds
+        self._every: list = [None] * self.n_layers       # resident_layer's set, while it holds
         self._pool: ThreadPoolExecutor | None = None
         self._busy = threading.Lock()
         self._run = _Stats()
@@ -305,16 +305,16 @@ class ExpertCache:
         """Whether expert ``e`` of ``layer`` is in the cache now (no accounting)."""
         return (int(layer), int(e)) in self._slot_of
 
-    def resident_layer(self, layer: int) -> tuple | None:
-        """Every routed expert of ``layer`` (ExpertWeights by id) when all of them are in
+    def resident_layer(self, layer: int) -> ExpertSet | None:
+        """Every routed expert of ``layer`` (an ExpertSet, by id) when all of them are in
         the cache, else None; no accounting (``note_hits`` does it for the experts then
-        used). The same tuple object while none of them moves; valid until the next
-        fetch."""
+        used). The same object while none of them moves; valid until the next fetch."""
         if not (0 <= layer < self.n_layers and self._count[layer] == self.n_experts):
             return None
         every = self._every[layer]
         if every is None:
-            every = self._every[layer] = tuple(self._weights[self._slot_of[(layer, e)]] for e in range(self.n_experts))
+            every = self._every[layer] = ExpertSet(self._weights[self._slot_of[(layer, e)]]
+                                                   for e in range(self.n_experts))
         return every
 
     def note_hits(self, layer: int, ids: Sequence[int]) -> None:

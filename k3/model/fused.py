@@ -1257,7 +1257,7 @@ def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: t
     dz = zn.shape[1]
     gu = _NO_GAIN if shared_gu is None else shared_gu if type(shared_gu) is np.ndarray else _gate_up(*shared_gu)
     inter_s = gu.size // 2
-    if up_w is None or down_w is None:   # (kept per layer only under the shared expert's down matrix)
+    if down_w is None:   # no shared expert: nothing to keep the table under, made each call
         p = _moe_plan_fill(_Plan(), [up_w, down_w], dz, inter_s)
     else:
         p = _layer_plan(_MOE_PLANS, [up_w, down_w], (dz, inter_s), _moe_plan_fill)
@@ -1274,7 +1274,7 @@ def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: t
     return torch.from_numpy(y).view(1, p.n_out)
 
 
-#: id(the shared expert's down projection, else the latent up-projection) -> its table
+#: id(the shared expert's down projection) -> moe_decode's table of the layer
 _MOE_PLANS: dict = {}
 
 
@@ -2086,8 +2086,9 @@ def _bf16_2d(w) -> bool:
 # (Kimi-Linear: h' = h + y and the post-attention norm; K3: the partial sum P' = P + y
 # and the FFN's Attention Residuals mix with its post-norm) into yn, then the MoE
 # router's projections of yn (gate, latent down, shared gate and up: one-token rows)
-# and its top-k. Each is the compiled code of the separate calls (add_norm, attn_mix,
-# linears, route_topk), in their order, so the same bits.
+# and its top-k, and, with every routed expert of the layer held, the MoE block with
+# the residual add. Each is the compiled code of the separate calls (add_norm,
+# attn_mix, linears, route_topk, moe_decode), in their order, so the same bits.
 #: residual modes: none, Kimi-Linear's add and norm, K3's partial sum and mix
 END_NONE, END_PLAIN, END_MIX = 0, 1, 2
 
@@ -2456,7 +2457,6 @@ def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_sca
     return torch.from_numpy(y).view(1, -1), into, [torch.from_numpy(n) for n in news]
 
 
-
 # ------------------------------------------------------------------ MLA's one-token step
 # MLA work-array slots (``ints``): heads, nope, rope, v dims, latent rank, q_a rows (0:
 # no q LoRA), gated, then the offsets of q_a's output, ckv, the gate's input, the
@@ -2523,8 +2523,8 @@ def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, c
 def _mla_layer1(x, y, tab, ints, wkv, kb, vb, past, qgain, cgain, neps, scale, emode, has_p, V, mw, meps, vl, nw, eneps,
                hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab,
                mout):
-    """mla_decode_layer's region (``_mla_plan`` has the table and the workspace layout,
-    ``ints``: the _M_* slots): table rows 0 .. p0-1 (the projections of x), the norms
+    """mla_decode_layer's region (its ``_Plan``, from ``_mla_plan_fill``, has the table and
+    the workspace layout, ``ints``: the _M_* slots): table rows 0 .. p0-1 (the projections of x), the norms
     and the cache's new row (one thread), rows p0 .. p1-1 (q_b), the heads' absorbed
     queries and scores in two halves, the softmax (one thread), the heads' weighted
     latents and values in two halves, the output gate (one thread), then the rows from

@@ -15,6 +15,7 @@ a per-expert loop of linear calls bit for bit (tests/test_fused.py).
 
 from __future__ import annotations
 
+import weakref
 from itertools import chain
 
 import numpy as np
@@ -139,22 +140,24 @@ def route_in(end, cfg, w, layer: int, provider) -> None:
                     w[s + "down_proj.weight"] if cfg.num_shared_experts else None)
 
 
-#: id(a layer's tuple of resident experts) -> (that tuple, their descriptors or None)
-_ALL_EXPERTS: dict = {}
+#: a layer's resident ExpertSet -> its experts' descriptors (or None); an entry goes with its set
+_ALL_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_FORMAT = object()
 
 
-def _all_experts(ews: tuple) -> np.ndarray | None:
+def _all_experts(ews) -> np.ndarray | None:
     """The kernel descriptors [E, 3, ...] of every routed expert of a layer (``ews``, the
-    tuple a provider hands out unchanged while those experts stay where they are: kept
-    per tuple), or None where they do not share one kernel format."""
-    hit = _ALL_EXPERTS.get(id(ews))
-    if hit is not None and hit[0] is ews:
-        return hit[1]
-    if len(_ALL_EXPERTS) > 1024:   # tuples of experts since moved or evicted
-        _ALL_EXPERTS.clear()
-    descs = _group_format(list(ews))[1]
-    _ALL_EXPERTS[id(ews)] = (ews, descs)
-    return descs
+    ExpertSet a provider hands out unchanged while those experts stay where they are:
+    kept per set, for as long as it lives), or None where they do not share one kernel
+    format."""
+    try:
+        descs = _ALL_EXPERTS.get(ews)
+    except TypeError:   # a sequence without weak references: made each time
+        return _group_format(list(ews))[1]
+    if descs is None:
+        descs = _group_format(list(ews))[1]
+        _ALL_EXPERTS[ews] = _NO_FORMAT if descs is None else descs
+    return None if descs is _NO_FORMAT else descs
 
 
 def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None, end=None,

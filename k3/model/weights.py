@@ -13,6 +13,7 @@ Mxfp4Weight for packed experts. Small vectors may be widened to fp32 by the prov
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol, Sequence
 
@@ -59,6 +60,24 @@ class ExpertWeights:
     w3: object
 
 
+class ExpertSet(collections.abc.Sequence):
+    """Every routed expert of a layer, by id, as a provider holds them (``resident_experts``):
+    an immutable sequence of ExpertWeights that can be weakly referenced, so what the
+    math derives from it (kernel descriptors) can be kept for exactly as long as the set
+    lives, and never keeps the experts' memory alive after the provider dropped it."""
+
+    __slots__ = ("_items", "__weakref__")
+
+    def __init__(self, items):
+        self._items = tuple(items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class WeightProvider(Protocol):
     config: object
 
@@ -84,7 +103,7 @@ class WeightProvider(Protocol):
     # Optional (the math checks with getattr): a provider that can say when it holds every
     # routed expert of a layer lets a decode step run the layer's MoE block inside the
     # mixer's compiled region, with no fetch between the router and the experts.
-    def resident_experts(self, i: int) -> Sequence[ExpertWeights] | None:
+    def resident_experts(self, i: int) -> ExpertSet | None:
         """Every routed expert of layer i (by id) when all are held, else None; the same
         object while none of them moves, valid until the next expert_groups call."""
 
