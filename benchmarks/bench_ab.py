@@ -8,10 +8,13 @@ The other tree is imported as a second package (``k3other``), so its numba kerne
 compile into that tree's own cache. Each rep decodes ``--gen`` tokens after an 8-id
 prompt on a fresh state and takes the mean s/token of the decode steps (prefill
 excluded), the models and resident experts as in bench_overhead.py. Greedy tokens of
-the two trees must agree (they are compared every rep).
+the two trees must agree (they are compared every rep). ``--prefill N`` times prompt
+processing instead: each rep reads an N-id prompt into a fresh state and takes the
+first token (wall time of the whole call; the engine's prefill chunks as configured),
+reported as tokens/s of prompt.
 
     git worktree add /tmp/k3-old <rev>
-    python benchmarks/bench_ab.py /tmp/k3-old [--arms small-k3,...] [--reps 6] [--gen 16]
+    python benchmarks/bench_ab.py /tmp/k3-old [--arms small-k3,...] [--reps 6] [--gen 16] [--prefill 512]
 
 One TSV row per (arm, tree, rep) in benchmarks/results/ab.tsv, with the CPU flags.
 """
@@ -24,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
                     help=f"comma-separated, of: {', '.join(ARMS)}")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--prefill", type=int, default=0, help="time an N-id prompt's prefill instead of decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=None, help="where the synthetic models live (default ~/.cache/k3/overhead)")
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "ab.tsv"))
@@ -85,7 +90,8 @@ def main(argv=None) -> int:
                                "load", "cpu"])
     for arm in arms:
         d = ensure_model(cache, arm)
-        engs = {t: mod.load(d, threads=args.threads, max_context=args.gen + 64, log=lambda *a, **k: None)
+        engs = {t: mod.load(d, threads=args.threads, max_context=max(args.gen, args.prefill) + 64,
+                            log=lambda *a, **k: None)
                 for t, (mod, _) in trees.items()}
         try:
             cfg = engs["this"].cfg
@@ -95,7 +101,7 @@ def main(argv=None) -> int:
                         for _ in e.provider.expert_groups(i, range(cfg.num_experts)):
                             pass
             g = torch.Generator().manual_seed(0)
-            prompt = torch.randint(0, cfg.vocab_size - 256, (8,), generator=g).tolist()
+            prompt = torch.randint(0, cfg.vocab_size - 256, (args.prefill or 8,), generator=g).tolist()
             for e in engs.values():  # warm-up: kernels, allocator
                 list(e.decode(prompt, state=e.new_state(), max_tokens=3))
             res = {t: [] for t in trees}
@@ -104,16 +110,25 @@ def main(argv=None) -> int:
                 toks = {}
                 for t in order:
                     e = engs[t]
-                    steps = list(e.decode(prompt, state=e.new_state(), max_tokens=args.gen + 1))
+                    t0 = time.perf_counter()
+                    steps = list(e.decode(prompt, state=e.new_state(), max_tokens=1 if args.prefill else args.gen + 1))
+                    wall = time.perf_counter() - t0
                     toks[t] = [s.token for s in steps]
-                    spt = statistics.mean(s.seconds for s in steps[1:])
+                    spt = wall / len(prompt) if args.prefill else statistics.mean(s.seconds for s in steps[1:])
                     res[t].append(spt)
-                    tsv.add(arm=arm, tree=t, code=trees[t][1], rep=rep, first=order[0], threads=args.threads,
-                            tokens=len(steps) - 1, s_per_token=spt, load=loadavg(), cpu=flags)
+                    tsv.add(arm=f"{arm}-prefill{args.prefill}" if args.prefill else arm, tree=t, code=trees[t][1],
+                            rep=rep, first=order[0], threads=args.threads,
+                            tokens=len(prompt) if args.prefill else len(steps) - 1, s_per_token=spt,
+                            load=loadavg(), cpu=flags)
                 if toks["this"] != toks["other"]:
                     print(f"{arm}: the trees' greedy tokens differ (rep {rep}): {toks}", file=sys.stderr)
                     return 1
             mo, mt = statistics.median(res["other"]), statistics.median(res["this"])
+            if args.prefill:
+                print(f"{arm:22} prefill {args.prefill}: other {' '.join(f'{1 / v:.1f}' for v in res['other'])} | this "
+                      f"{' '.join(f'{1 / v:.1f}' for v in res['this'])} | medians {1 / mo:.1f} -> {1 / mt:.1f} "
+                      f"tokens/s ({100 * (mo / mt - 1):+.0f} %)", file=sys.stderr)
+                continue
             print(f"{arm:22} other {' '.join(f'{v * 1e3:.1f}' for v in res['other'])} | this "
                   f"{' '.join(f'{v * 1e3:.1f}' for v in res['this'])} | medians {mo * 1e3:.1f} -> {mt * 1e3:.1f} "
                   f"ms/token ({100 * (mt / mo - 1):+.0f} %)", file=sys.stderr)

@@ -251,6 +251,29 @@ def test_batch_invariance_and_thread_count_independence():
     assert torch.equal(y1.view(torch.int32), y2.view(torch.int32))
 
 
+@pytest.mark.parametrize("C", [64 * 4, 64 * 3 + 32, 96])
+def test_many_token_jobs_give_one_token_bits(C):
+    """Jobs of more than _NTF tokens (the group-major scratch and tiles): tokens taken
+    from inside x (x0 > 0), more tokens than one super tile (_GST), row blocks cut short,
+    tails and rows of nothing but tail, zero groups and the subnormal factor: every
+    output has the bits of its token computed alone."""
+    from k3.quant import mxfp4 as MX
+    from k3.quant import mxfp4_grouped
+    rng = np.random.default_rng(C + 1)
+    R = 8 * 3 + 5
+    packed, scale = _random_weight(rng, R, C)
+    scale[0, 0], scale[5, -1], scale[11, 1] = 255, 0, 1
+    T = MX._GST + 9
+    x = torch.from_numpy(rng.standard_normal((T + 3, C)).astype(np.float32))
+    ws = [(packed, scale), (packed[:13], scale[:13]), (packed[2:], scale[2:])]
+    rows = [(3, T + 3), (1, 8), (0, MX._NTF + 1)]
+    got = mxfp4_grouped(x, ws, rows)
+    want = []
+    for (p, s), (a, b) in zip(ws, rows):
+        want.append(torch.stack([mxfp4_linear(x[t], p, s) for t in range(a, b)]).reshape(-1))
+    assert torch.equal(got.view(torch.int32), torch.cat(want).view(torch.int32))
+
+
 @pytest.mark.parametrize("C", [64 * 6, 64 * 7 + 32, 32])
 def test_one_token_kernels_give_the_general_kernels_bits(C, monkeypatch):
     """Decode's compact one-token kernels (parallel, and serial below a work limit) give
@@ -317,7 +340,7 @@ from k3.quant import mxfp4_grouped, mxfp4_linear
 from k3.quant.bf16 import kernel_isa   # the one path both kernels compiled
 g = torch.Generator().manual_seed(7)
 outs = [kernel_isa()]
-for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (64, 2048, 16)):
+for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (64, 2048, 16), (21, 64 * 5 + 32, 70)):
     p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 140, (R, C // 32), dtype=torch.uint8, generator=g)
     s[0, 0], s[1, 1] = 255, 0  # a zero group, the subnormal factor

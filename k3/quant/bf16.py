@@ -450,6 +450,67 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
     return intrinsic(typer)
 
 
+def make_gtile(max_nt, nr, streams, v, width=16):
+    """A numba intrinsic doing step 1 of the canonical order for one register group of
+    ``v`` lanes of a register tile, ``nt`` tokens (run time, 1 .. max_nt) x ``nr`` rows,
+    over operands laid out *group-major* (each group's steps contiguous, so a tile
+    streams whole cache lines in order and a pass over a scratch stays in L1)::
+
+        gtile(nt, acc, a0, tb, apos, x, xr, xoff, w, wr, woff, nj)
+
+    for t < nt, r < nr, i < v: from +0.0, for j < nj, s < streams (in that order):
+    ``a = fma(x[xr + t, xoff + j*S + width*s + i], w[wr + r, woff + j*S + width*s + i], a)``
+    with S = width * streams, and ``acc[a0 + r*tb + t, apos + i] = a``. A canonical lane
+    (with its streams: MXFP4's even then odd element) thus keeps its fma sequence; the
+    caller packs x and w so that (xoff, woff) + j*S + width*s + i is that lane's j-th
+    step. float32 C arrays; no bounds checks."""
+
+    def typer(typingctx, nt, acc, a0, tb, apos, x, xr, xoff, w, wr, woff, nj):
+        if not (c_matrix(acc, F32_ONLY) and c_matrix(x, F32_ONLY) and c_matrix(w, F32_ONLY)):
+            return None
+        if not all(isinstance(t, types.Integer) for t in (nt, a0, tb, apos, xr, xoff, wr, woff, nj)):
+            return None
+        sig = types.void(nt, acc, a0, tb, apos, x, xr, xoff, w, wr, woff, nj)
+
+        def codegen(context, builder, sig, args):
+            iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
+                  for a, t in zip(args, sig.args)]
+            nt_v, acc_v, a0, tb, apos, x_v, xr, xoff, w_v, wr, woff, nj = iv
+            at, xt, wt = sig.args[1], sig.args[5], sig.args[8]
+            zv = ir.Constant(ir.VectorType(_F32, v), [0.0] * v)
+
+            def emit(n_t):
+                xp = [_row_ptr(context, builder, xt, x_v, builder.add(xr, _I64(t)), xoff) for t in range(n_t)]
+                wp = [_row_ptr(context, builder, wt, w_v, builder.add(wr, _I64(r)), woff) for r in range(nr)]
+
+                def body(j, acc):
+                    off = builder.mul(j, _I64(width * streams))
+                    wv = [[_vload(builder, p, builder.add(off, _I64(width * s)), _F32, v) for s in range(streams)]
+                          for p in wp]
+                    new = list(acc)
+                    for t in range(n_t):
+                        for s in range(streams):
+                            xv = _vload(builder, xp[t], builder.add(off, _I64(width * s)), _F32, v)
+                            for r in range(nr):
+                                new[t * nr + r] = _vfma(builder, xv, wv[r][s], new[t * nr + r])
+                    return new
+
+                fins = counted_loop(builder, nj, [zv] * (n_t * nr), body, f"gtile{n_t}")
+                for t in range(n_t):
+                    for r in range(nr):
+                        p = _row_ptr(context, builder, at, acc_v,
+                                     builder.add(a0, builder.add(builder.mul(_I64(r), tb), _I64(t))), apos)
+                        _vstore(builder, fins[t * nr + r], p, _I64(0))
+
+            for_each_nt(builder, nt_v, max_nt, "gtile", emit)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"gtile{max_nt}x{nr}_s{streams}_v{v}_w{width}"
+    return intrinsic(typer)
+
+
 def _inverse(perm):
     """inv with inv[perm[i]] = i: as a shuffle mask, the lanes back in canonical order."""
     inv = [0] * len(perm)

@@ -25,10 +25,11 @@ saturating subtraction scales, ``_dot_mxfp4_w``) and consumed at once; the packe
 read exactly once, prefetched ``PREFETCH_BYTES`` ahead (one thread's sequential stream
 alone did not keep the memory busy). For T = 2 .. ``_NTF`` each decoded step is used
 for all the tokens before the next is decoded (``make_vdotn_mxfp4``; on AVX2
-``make_vdotn_w``). For more tokens
-a block of ``_RB`` rows is decoded the same way once into a per-thread fp32 scratch
-(exact values) and swept by the register tiles of ``k3.quant.bf16.make_tile`` (even and
-odd elements as two streams), one token tile at a time. All paths compute the same canonical order
+``make_vdotn_w``). For more tokens a block of ``_RB`` rows is decoded once per scale
+group (16 lanes of a step) into a per-thread fp32 scratch (exact values, group-major:
+each lane group's steps contiguous) and swept whole by the register tiles of
+``k3.quant.bf16.make_gtile`` (even and odd elements as two streams), up to ``_GST``
+tokens per decode. All paths compute the same canonical order
 of one output y[t, r] (P = C/2 bytes per row, ``LANES`` = 64 fp32 accumulators
 starting at +0.0, Pm = P - P % 64):
 
@@ -59,7 +60,7 @@ from numba.extending import intrinsic
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
-                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_tile, for_each_nt,
+                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_gtile, for_each_nt,
                    _ISA, _V, _row_ptr)
 from .kcache import enter as _cache_enter, leave as _cache_leave
 
@@ -165,9 +166,11 @@ def _dec2_nibble_ir(builder, n, vt):
     either way."""
     isa = _ISA
     width = 64 if isa == "avx512" else 32 if isa == "avx2" else 0
+    if width and vt.count == 16:   # one scale group: SSSE3's 16-byte shuffle (AVX2 implies it)
+        width = 16
     if width and vt.count % width == 0:
         bt = ir.VectorType(ir.IntType(8), width)
-        name = "llvm.x86.avx512.pshuf.b.512" if width == 64 else "llvm.x86.avx2.pshuf.b"
+        name = {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b", 16: "llvm.x86.ssse3.pshuf.b.128"}[width]
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bt, [bt, bt]), name)
         table = ir.Constant(bt, [ir.IntType(8)(v) for v in _DEC2 * (width // 16)])
         parts = []
@@ -255,6 +258,33 @@ def _decode_step_ir(builder, pp, sp, j):
     we = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF), sc)
     wo = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF), sc)
     return we, wo
+
+
+def _decode_group_ir(builder, pp, sp, j, q):
+    """Scale group q (bytes [64j + 16q, 64j + 16q + 16), scale byte 4j + q) of a row:
+    (even, odd) <16 x float> elements, the values of ``_decode_step_ir``'s lanes 16q ..
+    16q + 15 bit for bit (AVX-512: the permute table; else the byte-lane decode)."""
+    I64, I32, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(8), ir.FloatType()
+    V16, VF16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+    b = _vload(builder, pp, builder.add(builder.mul(j, I64(LANES)), builder.mul(q, I64(16))), I8, 16)
+    s = builder.zext(builder.load(builder.gep(sp, [builder.add(builder.mul(j, I64(_GPJ)), q)], inbounds=True)), I32)
+    if _ISA == "avx512":
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF16, [VF16, V16]),
+                                              "llvm.x86.avx512.permvar.sf.512")
+        f = builder.bitcast(_scale_bits_ir(builder, s, I32), F32)
+        sg = builder.shuffle_vector(builder.insert_element(ir.Constant(VF16, ir.Undefined), f, I32(0)),
+                                    ir.Constant(VF16, ir.Undefined), ir.Constant(V16, [0] * 16))
+        tab = builder.fmul(ir.Constant(VF16, list(_E2M1_SIGNED)), sg)
+        d = builder.zext(b, V16)
+        return builder.call(perm, [tab, d]), builder.call(perm, [tab, builder.lshr(d, ir.Constant(V16, [4] * 16))])
+    VB = ir.VectorType(I8, 16)
+    s16 = builder.shuffle_vector(builder.insert_element(ir.Constant(V16, ir.Undefined), s, I32(0)),
+                                 ir.Constant(V16, ir.Undefined), ir.Constant(V16, [0] * 16))
+    sc = builder.bitcast(_half_scale_bits_ir(builder, s16, V16), VF16)
+    lo = builder.and_(b, ir.Constant(VB, [15] * 16))
+    hi = builder.lshr(b, ir.Constant(VB, [4] * 16))
+    return (builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF16), sc),
+            builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF16), sc))
 
 
 def _u8_array(t):
@@ -675,33 +705,37 @@ def make_vdotn_mxfp4(max_nt, sf=False):
 
 
 @intrinsic
-def _vdecode_split(typingctx, we, wo, pk, sc, nj):
-    """we/wo[0:64*nj] = scaled even/odd elements of bytes [0, 64*nj) of a row."""
-    if not (_f32_array(we) and _f32_array(wo) and _u8_array(pk) and _u8_array(sc)
-            and isinstance(nj, types.Integer)):
+def _vdecode_group(typingctx, w, pk, sc, nj, q):
+    """Scale group q of the first nj steps of a row, group-major: w[32j .. 32j + 15] =
+    its even elements of step j, w[32j + 16 .. 32j + 31] the odd ones (``_decode_group_ir``)."""
+    if not (_f32_array(w) and _u8_array(pk) and _u8_array(sc) and isinstance(nj, types.Integer)
+            and isinstance(q, types.Integer)):
         return None
-    sig = types.void(we, wo, pk, sc, nj)
+    sig = types.void(w, pk, sc, nj, q)
 
     def codegen(context, builder, sig, args):
         I64 = ir.IntType(64)
-        wep, wop, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
-        n = context.cast(builder, args[4], sig.args[4], types.int64)
+        wp, pp, sp = (_data_ptr(context, builder, t, v) for t, v in zip(sig.args[:3], args[:3]))
+        n, qi = (context.cast(builder, a, t, types.int64) for a, t in zip(args[3:], sig.args[3:]))
         with cgutils.for_range(builder, n) as loop:
-            e, o = _decode_step_ir(builder, pp, sp, loop.index)
-            off = builder.mul(loop.index, I64(LANES))
-            _vstore(builder, e, wep, off)
-            _vstore(builder, o, wop, off)
+            e, o = _decode_group_ir(builder, pp, sp, loop.index, qi)
+            off = builder.mul(loop.index, I64(32))
+            _vstore(builder, e, wp, off)
+            _vstore(builder, o, wp, builder.add(off, I64(16)))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 _u8_ptr = address_intrinsic(types.uint8)
-#: register tiles (tokens x rows) of the T > 1 path per kernel_isa(): nt * nr
+#: register tiles (tokens x rows) of the T > _NTF path per kernel_isa(): nt * nr
 #: accumulators + 2 nr weight vectors (even, odd) + one activation vector
-_NT2, _NR2 = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
-_tile2 = make_tile(_NT2, _NR2, 2, "f32", _V)
-_tile2_1 = make_tile(_NT2, 1, 2, "f32", _V)       # a block's last rows
+_NT2, _NR2 = {"avx512": (4, 4), "avx2": (4, 2), "generic": (2, 2)}[_ISA]
+_gtile2 = make_gtile(_NT2, _NR2, 2, _V)
+_gtile2_1 = make_gtile(_NT2, 1, 2, _V)            # a block's last rows
+#: tokens of a T > _NTF job whose accumulators a block keeps at once (its rows are
+#: decoded again for each such super tile)
+_GST = 64
 #: jobs of up to this many tokens decode each step in registers once for all of them
 _NTF = 4
 _vdotn = make_vdotn_mxfp4(_NTF)
@@ -767,6 +801,32 @@ def _split_x(x, jobs):
     xop = empty64(M * P).reshape((M, P))
     perm_steps(xe, xo, xep, xop)
     return xe, xo, xep, xop
+
+
+@njit(cache=True, nogil=True)
+def _group_x(x, jobs):
+    """x float32 [M, 2P] -> xg [M, 2 Pm] (Pm = P - P % 64) in the group-major order
+    that ``_gtile2`` reads for the jobs of more than _NTF tokens (``_vdecode_group``'s
+    layout): xg[t, 32 (nj q + j) + 16 s + i] = x[t, 2 (64 j + 16 q + i) + s], nj = Pm / 64;
+    [M, 0] when no job has more than _NTF tokens."""
+    M, C = x.shape
+    nj = C // (2 * LANES)
+    big = False
+    for g in range(jobs.shape[0]):
+        if jobs[g, J_X1] - jobs[g, J_X0] > _NTF:
+            big = True
+    if not big or nj == 0:
+        return empty64(0).reshape((M, 0))
+    xg = empty64(M * nj * LANES * 2).reshape((M, nj * LANES * 2))
+    for t in range(M):
+        for q in range(_GPJ):
+            for j in range(nj):
+                d = 32 * (nj * q + j)
+                c = 2 * (LANES * j + 16 * q)
+                for i in range(16):
+                    xg[t, d + i] = x[t, c + 2 * i]
+                    xg[t, d + 16 + i] = x[t, c + 2 * i + 1]
+    return xg
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -877,7 +937,7 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
+def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
     jobs[g, J_ADDR], scale bytes [n, P/16] at jobs[g, J_ADDR + 1]):
     out[off + t * n + r] = x[x0 + t] . W_g[r] for t < x1 - x0, r < n. xe/xo float32
@@ -886,19 +946,20 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
     A job with one token decodes each row in registers and consumes it at once (the
     packed bytes are read exactly once; on AVX2 by ``_dot_mxfp4_w`` from x in the
     W_PERM order, xep / xop, unless a scale of the row needs the byte-lane decode); one of up to _NTF tokens does the same for all
-    its tokens, in chunks of jc 64-byte steps. A job with more decodes a block of rb rows
-    once into an exact fp32 scratch, then each tile of _NT2 tokens sweeps it in chunks
-    of jc steps, _NR2 rows at a time; accumulator lanes persist across chunks. All have
-    the canonical order of the module docstring."""
+    its tokens, in chunks of jc 64-byte steps. A job with more takes its tokens _GST at
+    a time: for each scale group q of a 64-byte step (16 lanes) a block of rb rows is
+    decoded once into an exact fp32 scratch laid out group-major (``_vdecode_group``),
+    which the register tiles (``_gtile2``, _NT2 tokens x _NR2 rows, x from xg in the
+    same layout, ``_group_x``) sweep whole, each lane's sum finished in registers and
+    stored once. All have the canonical order of the module docstring."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
     starts = job_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     wok = np.zeros((nth, rb), np.int64)
-    we_all = empty64(nth * rb * P).reshape((nth, rb, P))
-    wo_all = empty64(nth * rb * P).reshape((nth, rb, P))
-    acc_all = empty64(nth * rb * max(_NT2, _NTF) * LANES).reshape((nth, rb * max(_NT2, _NTF), LANES))
+    ws_all = empty64(nth * rb * nj * 32).reshape((nth, rb, nj * 32))   # one scale group of rb rows
+    acc_all = empty64(nth * rb * max(_GST, _NTF) * LANES).reshape((nth, rb * max(_GST, _NTF), LANES))
     sf_all = np.empty((nth, rb if _ROW_SF else 0, P // 16), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
@@ -950,40 +1011,39 @@ def _mxfp4_grouped(xe, xo, xep, xop, jobs, out, rb1, rb, jc, nth):
                             a[i] = _fma(xo[x0 + t, pm + i], to[i], _fma(xe[x0 + t, pm + i], te[i], a[i]))
                         out[off + t * R + r0 + r] = _tree_sum(a)
             continue
-        we = we_all[tid]
-        wo = wo_all[tid]
-        for r in range(nrb):
-            _vdecode_split(we[r], wo[r], packed[r0 + r], scale[r0 + r], nj)
-            if pm < P:
-                _decode_tail(packed[r0 + r], scale[r0 + r], we[r, pm:], wo[r, pm:], pm, P)
-        for t0 in range(0, T, _NT2):                      # one token tile over all of the row
-            nt = min(_NT2, T - t0)
-            xt = x0 + t0
-            ob = off + t0 * R + r0
-            if nj == 0:
+        ws = ws_all[tid]
+        sc3 = gv_all[tid]
+        te = sc3[1]
+        to = sc3[2]
+        for s0 in range(0, T, _GST):                      # a super tile: its (token, row) sums in acc
+            ns = min(_GST, T - s0)
+            for q in range(_GPJ):
                 for r in range(nrb):
-                    for t in range(nt):
-                        _zero(acc[r * _NT2 + t])
-            for c0 in range(0, nj, jc):
-                n = min(nj, c0 + jc) - c0
-                e0 = c0 * LANES
-                mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
-                r = 0
-                while r < nrb:
-                    if r + _NR2 <= nrb:
-                        _tile2(nt, acc, r * _NT2, _NT2, xe, xo, xt, e0, we, wo, r, e0, n, mode, out, ob + r, R)
-                        r += _NR2
-                    else:
-                        _tile2_1(nt, acc, r * _NT2, _NT2, xe, xo, xt, e0, we, wo, r, e0, n, mode, out, ob + r, R)
-                        r += 1
-            if pm < P:                                    # the tail bytes, then the tree
-                for t in range(nt):
-                    ta = xt + t
-                    for r in range(nrb):
-                        a = acc[r * _NT2 + t]
-                        for i in range(P - pm):
-                            a[i] = _fma(xo[ta, pm + i], wo[r, pm + i], _fma(xe[ta, pm + i], we[r, pm + i], a[i]))
-                        out[ob + t * R + r] = _tree_sum(a)
+                    _vdecode_group(ws[r], packed[r0 + r], scale[r0 + r], nj, q)
+                for h in range(16 // _V):                 # the group's registers of lanes
+                    for t0 in range(0, ns, _NT2):
+                        nt = min(_NT2, ns - t0)
+                        r = 0
+                        while r < nrb:
+                            if r + _NR2 <= nrb:
+                                _gtile2(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
+                                        32 * nj * q + _V * h, ws, r, _V * h, nj)
+                                r += _NR2
+                            else:
+                                _gtile2_1(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
+                                          32 * nj * q + _V * h, ws, r, _V * h, nj)
+                                r += 1
+            for r in range(nrb):                          # the tail bytes, then the tree
+                if pm < P:
+                    _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
+                for t in range(ns):
+                    a = acc[r * _GST + t]
+                    if nj == 0:
+                        _zero(a)
+                    ta = x0 + s0 + t
+                    for i in range(P - pm):
+                        a[i] = _fma(xo[ta, pm + i], to[i], _fma(xe[ta, pm + i], te[i], a[i]))
+                    out[off + (s0 + t) * R + r0 + r] = _tree_sum(a)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -1071,7 +1131,7 @@ def run_mxfp4_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int,
     if tmax == 1:
         _launch_t1(_mxfp4_t1, _mxfp4_t1_serial, work, _T1_SERIAL_WORK, xn, jobs, out, _RB1)
         return
-    _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
+    _launch(_mxfp4_grouped, work, *_split_x(xn, jobs), _group_x(xn, jobs), jobs, out, _RB1, _RB, _JC)
 
 
 def mxfp4_grouped(x, ws, rows=None) -> torch.Tensor:
