@@ -198,7 +198,7 @@ def test_fused_decoder_equals_decode_bit_exact():
 
 
 def test_decode_path_gives_the_same_bits_for_every_scale_byte():
-    """T = 1 .. 4 decode rows in registers by a path of their own where the CPU allows
+    """T = 1 .. _NTF decode rows in registers by a path of their own where the CPU allows
     (AVX2: bf16 words and an exponent subtraction, for rows whose scales are all in
     2..252 or 255; any other row falls back). Every scale byte, alone in a row or
     mixed, gives the bits of the many-token path (which decodes in byte lanes into a
@@ -213,13 +213,15 @@ def test_decode_path_gives_the_same_bits_for_every_scale_byte():
     scale[256:] = rng.integers(0, 256, (64, C // 32), dtype=np.uint8)
     scale[256:288] = rng.integers(100, 140, (32, C // 32), dtype=np.uint8)
     scale[260, 3] = 255
-    x = torch.from_numpy(rng.standard_normal((6, C)).astype(np.float32))
-    y6 = mxfp4_linear(x, packed, scale)
-    for t in range(6):
+    from k3.quant.mxfp4 import _NTF
+    n = _NTF + 2                                       # the many-token path
+    x = torch.from_numpy(rng.standard_normal((n, C)).astype(np.float32))
+    yn = mxfp4_linear(x, packed, scale)
+    for t in range(n):
         y1 = mxfp4_linear(x[t], packed, scale)
-        assert np.array_equal(_bits(y1), _bits(y6[t])), t
-    for a, b in ((0, 2), (1, 4), (2, 6)):
-        assert np.array_equal(_bits(mxfp4_linear(x[a:b], packed, scale)), _bits(y6[a:b])), (a, b)
+        assert np.array_equal(_bits(y1), _bits(yn[t])), t
+    for a, b in ((0, 2), (1, 4), (2, 6), (1, 1 + _NTF)):
+        assert np.array_equal(_bits(mxfp4_linear(x[a:b], packed, scale)), _bits(yn[a:b])), (a, b)
     W = decode_mxfp4(packed, scale).numpy() + np.float32(0.0)
     fin = np.isfinite(W).all(1)                        # rows of 253 / 254: 0 x inf is NaN in a dot
     assert fin.sum() > 250
@@ -340,7 +342,8 @@ from k3.quant import mxfp4_grouped, mxfp4_linear
 from k3.quant.bf16 import kernel_isa   # the one path both kernels compiled
 g = torch.Generator().manual_seed(7)
 outs = [kernel_isa()]
-for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (64, 2048, 16), (21, 64 * 5 + 32, 70)):
+for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (23, 2048, 6), (64, 2048, 16),
+                 (21, 64 * 5 + 32, 70)):
     p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 140, (R, C // 32), dtype=torch.uint8, generator=g)
     s[0, 0], s[1, 1] = 255, 0  # a zero group, the subnormal factor

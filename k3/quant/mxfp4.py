@@ -737,7 +737,9 @@ _gtile2_1 = make_gtile(_NT2, 1, 2, _V)            # a block's last rows
 #: decoded again for each such super tile)
 _GST = 64
 #: jobs of up to this many tokens decode each step in registers once for all of them
-_NTF = 4
+#: (at 5 and 6 tokens, against the group-major tiles: 0.77x the time on AVX-512, 0.70 / 0.92x
+#: on the AVX2 path; at 7, 1.07x, docs/PERFORMANCE.md)
+_NTF = 6
 _vdotn = make_vdotn_mxfp4(_NTF)
 _vdotn_sf = make_vdotn_mxfp4(_NTF, sf=True)
 _vdotn_w = make_vdotn_w(_NTF)
