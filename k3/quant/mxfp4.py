@@ -938,6 +938,29 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
         _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R, sfs)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _tail_tree(packed, scale, xe, xo, acc, tb, xt, nt, out, ob, R, r0, nrb, sc3):
+    """Steps 2-3 of the canonical order for rows r0 .. r0 + nrb - 1 and tokens t < nt
+    whose step-1 lanes are in acc[r * tb + t] (+0.0 when there are no whole steps): the
+    tail bytes [Pm, P) of each row (decoded into sc3's rows 1 / 2) with x rows xt + t,
+    then out[ob + t * R + r0 + r] = the halving tree."""
+    P = xe.shape[1]
+    nj = P // LANES
+    pm = nj * LANES
+    te = sc3[1]
+    to = sc3[2]
+    for r in range(nrb):
+        if pm < P:
+            _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
+        for t in range(nt):
+            a = acc[r * tb + t]
+            if nj == 0:
+                _zero(a)
+            for i in range(P - pm):
+                a[i] = _fma(xo[xt + t, pm + i], to[i], _fma(xe[xt + t, pm + i], te[i], a[i]))
+            out[ob + t * R + r0 + r] = _tree_sum(a)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     """For every job g (the J_* columns of ``k3.quant.bf16``; packed bytes [n, P] at
@@ -999,24 +1022,9 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                     else:
                         _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
             if pm < P or nj == 0:
-                sc3 = gv_all[tid]
-                te = sc3[1]
-                to = sc3[2]
-                for r in range(nrb):
-                    if pm < P:
-                        _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
-                    for t in range(T):
-                        a = acc[r * _NTF + t]
-                        if nj == 0:
-                            _zero(a)
-                        for i in range(P - pm):
-                            a[i] = _fma(xo[x0 + t, pm + i], to[i], _fma(xe[x0 + t, pm + i], te[i], a[i]))
-                        out[off + t * R + r0 + r] = _tree_sum(a)
+                _tail_tree(packed, scale, xe, xo, acc, _NTF, x0, T, out, off, R, r0, nrb, gv_all[tid])
             continue
         ws = ws_all[tid]
-        sc3 = gv_all[tid]
-        te = sc3[1]
-        to = sc3[2]
         for s0 in range(0, T, _GST):                      # a super tile: its (token, row) sums in acc
             ns = min(_GST, T - s0)
             for q in range(_GPJ):
@@ -1035,17 +1043,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                                 _gtile2_1(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
                                           32 * nj * q + _V * h, ws, r, _V * h, nj)
                                 r += 1
-            for r in range(nrb):                          # the tail bytes, then the tree
-                if pm < P:
-                    _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
-                for t in range(ns):
-                    a = acc[r * _GST + t]
-                    if nj == 0:
-                        _zero(a)
-                    ta = x0 + s0 + t
-                    for i in range(P - pm):
-                        a[i] = _fma(xo[ta, pm + i], to[i], _fma(xe[ta, pm + i], te[i], a[i]))
-                    out[off + (s0 + t) * R + r0 + r] = _tree_sum(a)
+            _tail_tree(packed, scale, xe, xo, acc, _GST, x0 + s0, ns, out, off + s0 * R, R, r0, nrb, gv_all[tid])
 
 
 # --------------------------------------------------------------------------- wrappers
