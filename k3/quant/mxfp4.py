@@ -195,6 +195,35 @@ def _dec2_nibble_ir(builder, n, vt):
 _E2M1_SIGNED = tuple(E2M1) + (0.0,) + tuple(-v for v in E2M1[1:])
 
 
+def _splat_ir(builder, v, n: int):
+    """<n x type(v)> with v in every lane."""
+    vt = ir.VectorType(v.type, n)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.IntType(32)(0)),
+                                  ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+def _perm_pair_ir(builder, d, sg):
+    """The permute decode of 16 bytes d (<16 x i32>, zero-extended) whose scale group's
+    factor 2^(s-127) is in every lane of sg (<16 x float>): (low nibbles' values, high
+    nibbles' values), looked up in the 16-entry table E2M1 x factor (exact)."""
+    V16, VF16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
+    perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF16, [VF16, V16]),
+                                          "llvm.x86.avx512.permvar.sf.512")
+    tab = builder.fmul(ir.Constant(VF16, list(_E2M1_SIGNED)), sg)
+    return builder.call(perm, [tab, d]), builder.call(perm, [tab, builder.lshr(d, ir.Constant(V16, [4] * 16))])
+
+
+def _byte_pair_ir(builder, b, sc):
+    """The byte-lane decode of bytes b (<L x i8>) whose factors 2^(s-128) are sc
+    (<L x float>, per byte): (low nibbles' values, high nibbles' values), each the
+    doubled E2M1 integer (``_dec2_nibble_ir``) widened and scaled (exact)."""
+    VB, VF = b.type, ir.VectorType(ir.FloatType(), b.type.count)
+    lo = builder.and_(b, ir.Constant(VB, [15] * VB.count))
+    hi = builder.lshr(b, ir.Constant(VB, [4] * VB.count))
+    return (builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF), sc),
+            builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF), sc))
+
+
 def _decode_step_perm_ir(builder, pp, sp, j, sfp=None):
     """``_decode_step_ir`` on AVX-512: each group's 16 bytes widened to 32-bit lanes
     (one per byte, the lanes of we / wo), and a 16-entry fp32 table of E2M1 x 2^(s-127)
@@ -206,16 +235,12 @@ def _decode_step_perm_ir(builder, pp, sp, j, sfp=None):
     (``_row_scales``, the same bits): each group's table is then one multiply by a
     broadcast load, no per-step work on the scale bytes (the one-token dot: 1.4x)."""
     I64, I32, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(8), ir.FloatType()
-    V16, VF16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
-    perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF16, [VF16, V16]),
-                                          "llvm.x86.avx512.permvar.sf.512")
+    V16 = ir.VectorType(I32, 16)
     off = builder.mul(j, I64(LANES))
     if sfp is None:
         VS = ir.VectorType(I32, _GPJ)
         s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), I8, _GPJ), VS)
         sc4 = builder.bitcast(_scale_bits_ir(builder, s4, VS), ir.VectorType(F32, _GPJ))
-    lut = ir.Constant(VF16, list(_E2M1_SIGNED))
-    four = ir.Constant(V16, [4] * 16)
     es, os_ = [], []
     for g in range(_GPJ):
         d = builder.zext(_vload(builder, pp, builder.add(off, I64(16 * g)), I8, 16), V16)
@@ -223,11 +248,10 @@ def _decode_step_perm_ir(builder, pp, sp, j, sfp=None):
             sg = builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), ir.Constant(V16, [g] * 16))
         else:
             f = builder.load(builder.gep(sfp, [builder.add(builder.mul(j, I64(_GPJ)), I64(g))], inbounds=True))
-            sg = builder.shuffle_vector(builder.insert_element(ir.Constant(VF16, ir.Undefined), f, I32(0)),
-                                        ir.Constant(VF16, ir.Undefined), ir.Constant(V16, [0] * 16))
-        tab = builder.fmul(lut, sg)
-        es.append(builder.call(perm, [tab, d]))
-        os_.append(builder.call(perm, [tab, builder.lshr(d, four)]))
+            sg = _splat_ir(builder, f, 16)
+        e, o = _perm_pair_ir(builder, d, sg)
+        es.append(e)
+        os_.append(o)
 
     return _concat_ir(builder, es), _concat_ir(builder, os_)
 
@@ -244,20 +268,12 @@ def _decode_step_ir(builder, pp, sp, j):
     I64 = ir.IntType(64)
     if _ISA == "avx512":
         return _decode_step_perm_ir(builder, pp, sp, j)
-    VB = ir.VectorType(ir.IntType(8), LANES)
-    off = builder.mul(j, I64(LANES))
-    v = _vload(builder, pp, off, ir.IntType(8), LANES)
-    lo = builder.and_(v, ir.Constant(VB, [15] * LANES))
-    hi = builder.lshr(v, ir.Constant(VB, [4] * LANES))
+    v = _vload(builder, pp, builder.mul(j, I64(LANES)), ir.IntType(8), LANES)
     VS = ir.VectorType(ir.IntType(32), _GPJ)
     s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), ir.IntType(8), _GPJ), VS)
     sc4 = builder.bitcast(_half_scale_bits_ir(builder, s4, VS), ir.VectorType(ir.FloatType(), _GPJ))
     mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [i // 16 for i in range(LANES)])
-    sc = builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), mask)
-    VF = ir.VectorType(ir.FloatType(), LANES)
-    we = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF), sc)
-    wo = builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF), sc)
-    return we, wo
+    return _byte_pair_ir(builder, v, builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), mask))
 
 
 def _decode_group_ir(builder, pp, sp, j, q):
@@ -265,26 +281,14 @@ def _decode_group_ir(builder, pp, sp, j, q):
     (even, odd) <16 x float> elements, the values of ``_decode_step_ir``'s lanes 16q ..
     16q + 15 bit for bit (AVX-512: the permute table; else the byte-lane decode)."""
     I64, I32, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(8), ir.FloatType()
-    V16, VF16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+    V16 = ir.VectorType(I32, 16)
     b = _vload(builder, pp, builder.add(builder.mul(j, I64(LANES)), builder.mul(q, I64(16))), I8, 16)
     s = builder.zext(builder.load(builder.gep(sp, [builder.add(builder.mul(j, I64(_GPJ)), q)], inbounds=True)), I32)
     if _ISA == "avx512":
-        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF16, [VF16, V16]),
-                                              "llvm.x86.avx512.permvar.sf.512")
         f = builder.bitcast(_scale_bits_ir(builder, s, I32), F32)
-        sg = builder.shuffle_vector(builder.insert_element(ir.Constant(VF16, ir.Undefined), f, I32(0)),
-                                    ir.Constant(VF16, ir.Undefined), ir.Constant(V16, [0] * 16))
-        tab = builder.fmul(ir.Constant(VF16, list(_E2M1_SIGNED)), sg)
-        d = builder.zext(b, V16)
-        return builder.call(perm, [tab, d]), builder.call(perm, [tab, builder.lshr(d, ir.Constant(V16, [4] * 16))])
-    VB = ir.VectorType(I8, 16)
-    s16 = builder.shuffle_vector(builder.insert_element(ir.Constant(V16, ir.Undefined), s, I32(0)),
-                                 ir.Constant(V16, ir.Undefined), ir.Constant(V16, [0] * 16))
-    sc = builder.bitcast(_half_scale_bits_ir(builder, s16, V16), VF16)
-    lo = builder.and_(b, ir.Constant(VB, [15] * 16))
-    hi = builder.lshr(b, ir.Constant(VB, [4] * 16))
-    return (builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, lo, VB), VF16), sc),
-            builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF16), sc))
+        return _perm_pair_ir(builder, builder.zext(b, V16), _splat_ir(builder, f, 16))
+    sc = builder.bitcast(_half_scale_bits_ir(builder, _splat_ir(builder, s, 16), V16), ir.VectorType(F32, 16))
+    return _byte_pair_ir(builder, b, sc)
 
 
 def _u8_array(t):
