@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="where the synthetic models live (default ~/.cache/k3/overhead)")
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "ab.tsv"))
     args = ap.parse_args(argv)
+    if args.prefill < 0:
+        ap.error(f"--prefill takes a prompt length (0: time decode instead), not {args.prefill}")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for a in arms:
         if a not in ARMS:

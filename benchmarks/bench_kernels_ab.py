@@ -59,6 +59,8 @@ def main(argv=None) -> int:
         R, C = (int(v) for v in (args.shape or SHAPES[args.kernel]).lower().split("x"))
     except ValueError:
         ap.error("--tokens takes integers (8,16,64), --shape RxC (3072x3584)")
+    if min(tokens or [0]) < 1 or min(R, C) < 1 or min(args.reps, args.calls, args.experts, args.threads) < 1:
+        ap.error("--tokens, --shape, --reps, --calls, --experts and --threads take positive numbers")
     if args.kernel == "mxfp4" and C % 32:
         ap.error(f"an MXFP4 weight's width must be a multiple of 32, not {C}")
     other_root = Path(args.other).resolve()

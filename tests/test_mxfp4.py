@@ -201,8 +201,8 @@ def test_decode_path_gives_the_same_bits_for_every_scale_byte():
     """T = 1 .. _NTF decode rows in registers by a path of their own where the CPU allows
     (AVX2: bf16 words and an exponent subtraction, for rows whose scales are all in
     2..252 or 255; any other row falls back). Every scale byte, alone in a row or
-    mixed, gives the bits of the many-token path (which decodes in byte lanes into a
-    scratch), infinities and NaNs of scales 253 / 254 included, and the exact decoded
+    mixed, gives the bits of the many-token path (which decodes into a scratch),
+    infinities and NaNs of scales 253 / 254 included, and the exact decoded
     weight (identity rows)."""
     rng = np.random.default_rng(11)
     C = 256                                            # 2 steps of 64 bytes: no tail
