@@ -237,6 +237,38 @@ def test_kept_tables_follow_their_weight_objects():
     assert not any(key[0] == k for key in b._DESC) and not any(k in key[2:] for key in b._TABLES)
 
 
+def test_activation_scratch_is_per_thread_reused_and_bounded(monkeypatch):
+    # the T > 1 copies of x live in per-thread huge-page scratch: reused by the next call
+    # on the same thread and slot (no page faults per call), never shared with another
+    # thread (two engines' threads may call kernels at once), not kept when large
+    import threading
+    from k3.checkpoint.io import HUGE
+    from k3.quant import bf16
+    a = bf16.scratch_f32((16, 7168))
+    assert a.shape == (16, 7168) and a.dtype == np.float32 and a.flags.c_contiguous
+    from k3 import env
+    assert a.ctypes.data % (HUGE if env.hugepages() else 64) == 0   # on a whole huge page
+    b = bf16.scratch_f32((3, 100))
+    assert b.ctypes.data == a.ctypes.data      # reused
+    c = bf16.scratch_f32((3, 100), slot=1)
+    assert c.ctypes.data != a.ctypes.data      # another slot, another buffer
+    other = []
+    t = threading.Thread(target=lambda: other.append(bf16.scratch_f32((16, 7168)).ctypes.data))
+    t.start()
+    t.join()
+    assert other[0] != a.ctypes.data
+    monkeypatch.setattr(bf16, "_SCRATCH_KEEP", 1 << 20)
+    big1, big2 = bf16.scratch_f32((512, 1024)), bf16.scratch_f32((512, 1024))
+    assert big1.ctypes.data != big2.ctypes.data and big1.ctypes.data % 64 == 0
+    assert bf16.scratch_f32((1, 16)).ctypes.data == a.ctypes.data  # the kept one is still there
+    # a T > 1 call through the scratch twice in a row gives the same bits as T = 1 rows
+    w = torch.randn(40, 7168).bfloat16()
+    x = torch.randn(16, 7168)
+    y1 = bf16_linear(x, w)
+    y2 = bf16_linear(x[:5], w)
+    assert torch.equal(y1[:5], y2) and torch.equal(y1[7], bf16_linear(x[7], w))
+
+
 def test_kernel_scratch_and_activation_copies_start_on_a_cache_line():
     # the T > 1 tiles load 64 bytes at a time from these; a misaligned start makes every
     # load straddle two cache lines (slower, same bits)

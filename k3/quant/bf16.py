@@ -50,6 +50,7 @@ exactly one thread.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -750,6 +751,35 @@ def empty64(n):
     return buf[o:o + n]
 
 
+#: bytes of T > 1 scratch (``scratch_f32``) a Python thread keeps between kernel calls;
+#: a call that needs more allocates its own
+_SCRATCH_KEEP = 16 << 20
+_SCRATCH = threading.local()
+
+
+def scratch_f32(shape: tuple[int, int], slot: int = 0) -> np.ndarray:
+    """An uninitialised float32 array of ``shape`` on a 64-byte boundary, in transparent
+    huge pages where the system gives them (``k3.checkpoint.io.aligned_empty``): the
+    copies of x the T > 1 tiles read. Their token rows lie kilobytes apart, each on its
+    own 4 KiB page, and a tile sweep over 64 tokens missed the TLB often enough to
+    lose a third of its speed (docs/PERFORMANCE.md, twenty-first session); in 2 MiB
+    pages they share a few entries. Up to _SCRATCH_KEEP bytes per (Python thread,
+    slot) are kept and reused by the next call, so the caller must be done with the
+    array before it asks again for the same slot on the same thread."""
+    from ..checkpoint.io import HUGE, aligned_empty
+    n = shape[0] * shape[1]
+    if 4 * n > _SCRATCH_KEEP:
+        return aligned_empty(4 * n, huge=True).view(np.float32).reshape(shape)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.size < n:
+        # one whole huge page at least, else aligned_empty would not advise one
+        buf = bufs[slot] = aligned_empty(max(4 * n, HUGE), huge=True).view(np.float32)
+    return buf[:n].reshape(shape)
+
+
 @njit(cache=True, nogil=True)
 def job_blocks(jobs, rb1, rb):
     """Prefix sums of the jobs' row blocks (rb1 rows when a job has one token, rb
@@ -1140,19 +1170,23 @@ def _pair_split_step(typingctx, src, dst, n):
     return types.void(src, dst, n), codegen
 
 
-@njit(cache=True, nogil=True)
-def pair_split_x(x):
+def pair_split_x(x: np.ndarray) -> np.ndarray:
     """A copy of activations x float32 [T, K] with each whole 64-element step in the
     PAIR_SPLIT order (the tail, K % 64, as it is): the x the even/odd tiles read, on a
-    64-byte boundary."""
+    64-byte boundary, in per-thread huge-page scratch (``scratch_f32``)."""
+    xs = scratch_f32(x.shape)
+    _pair_split_into(x, xs)
+    return xs
+
+
+@njit(cache=True, nogil=True)
+def _pair_split_into(x, xs):
     T, K = x.shape
-    xs = empty64(T * K).reshape((T, K))
     nj = K // LANES
     for t in range(T):
         _pair_split_step(x[t], xs[t], nj)
         for k in range(nj * LANES, K):
             xs[t, k] = x[t, k]
-    return xs
 
 
 def run_bf16_jobs(xn: np.ndarray, jobs: np.ndarray, out: np.ndarray, work: int, tmax: int) -> None:

@@ -61,7 +61,7 @@ from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_acti
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
                    counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_gtile, for_each_nt,
-                   _ISA, _V, _row_ptr)
+                   _ISA, _V, _row_ptr, scratch_f32)
 from .kcache import enter as _cache_enter, leave as _cache_leave
 
 _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.quant.kcache.folder(), until the end
@@ -809,21 +809,25 @@ def _split_x(x, jobs):
     return xe, xo, xep, xop
 
 
-@njit(cache=True, nogil=True)
-def _group_x(x, jobs):
+def _group_x(x: np.ndarray, jobs: np.ndarray) -> np.ndarray:
     """x float32 [M, 2P] -> xg [M, 2 Pm] (Pm = P - P % 64) in the group-major order
     that ``_gtile2`` reads for the jobs of more than _NTF tokens (``_vdecode_group``'s
-    layout): xg[t, 32 (nj q + j) + 16 s + i] = x[t, 2 (64 j + 16 q + i) + s], nj = Pm / 64;
-    [M, 0] when no job has more than _NTF tokens."""
+    layout), in per-thread huge-page scratch (``scratch_f32``); [M, 0] when no job has
+    more than _NTF tokens."""
     M, C = x.shape
     nj = C // (2 * LANES)
-    big = False
-    for g in range(jobs.shape[0]):
-        if jobs[g, J_X1] - jobs[g, J_X0] > _NTF:
-            big = True
-    if not big or nj == 0:
-        return empty64(0).reshape((M, 0))
-    xg = empty64(M * nj * LANES * 2).reshape((M, nj * LANES * 2))
+    if nj == 0 or (jobs[:, J_X1] - jobs[:, J_X0]).max(initial=0) <= _NTF:
+        return np.empty((M, 0), np.float32)
+    xg = scratch_f32((M, nj * LANES * 2))
+    _group_x_into(x, xg)
+    return xg
+
+
+@njit(cache=True, nogil=True)
+def _group_x_into(x, xg):
+    """xg[t, 32 (nj q + j) + 16 s + i] = x[t, 2 (64 j + 16 q + i) + s], nj = Pm / 64."""
+    M = x.shape[0]
+    nj = xg.shape[1] // (LANES * 2)
     for t in range(M):
         for q in range(_GPJ):
             for j in range(nj):
@@ -832,7 +836,6 @@ def _group_x(x, jobs):
                 for i in range(16):
                     xg[t, d + i] = x[t, c + 2 * i]
                     xg[t, d + 16 + i] = x[t, c + 2 * i + 1]
-    return xg
 
 
 @njit(cache=True, nogil=True, inline="always")
