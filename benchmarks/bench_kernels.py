@@ -154,7 +154,9 @@ def fmt_table(rows) -> str:
 def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[float, str]:
     """The machine's fp32 FMA peak, measured: every thread runs 12 independent chains of
     vector FMAs held in registers (16 lanes with AVX-512, 8 with AVX2: enough chains to
-    cover the latency of two FMA units). Returns (best GFMA/s over the threads, what ran)."""
+    cover the latency of two FMA units). Returns (best GFMA/s over the threads, what ran).
+    The vectors are those of the path the kernels run (``kernel_isa``): with
+    K3_KERNEL_ISA=avx2 on an AVX-512 machine, the 8-lane peak its AVX2 code can reach."""
     import llvmlite.binding as ll
     from llvmlite import ir
     from numba import njit, prange, types
@@ -163,8 +165,10 @@ def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[floa
 
     from k3.quant.bf16 import counted_loop
 
+    from k3.quant.bf16 import VECTOR_LANES, kernel_isa
     feats = ll.get_host_cpu_features()
     width = 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
+    width = min(width, VECTOR_LANES[kernel_isa()])
     chains = 12
 
     @intrinsic
