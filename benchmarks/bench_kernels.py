@@ -19,9 +19,10 @@ GB/s = weight bytes / seconds (MXFP4: packed + scale bytes; BF16: 2 bytes/elemen
 same definition for every arm. GFMA/s = T * rows * cols / seconds.
 MXFP4 arms cycle through a pool of distinct random experts at least twice the L3 the
 system reports (at least 8; 2 x 32 MiB L3 -> 12 experts, 2 x 300 MiB -> 108; the pool's
-size is printed), so each call reads weights that are not cache-hot, as in
-real decode (runs before 2026-12-06T16 cycled 8 experts, 46 MB, even where L3 was larger);
-the BF16 matrices (176 MB) are never cache-resident on a 32 MB L3. Weights are random (MXFP4 scale bytes 112..122 as in K3),
+size is printed), so each call reads weights that are not cache-hot, as in real decode
+(runs before 2026-12-06T16 cycled 8 experts, 46 MB, even where L3 was larger); the BF16
+matrices (176 MB) are never cache-resident on a 32 MB L3. Weights are random (MXFP4
+scale bytes 112..122 as in K3),
 held as the engine holds them (``k3.checkpoint.io.aligned_empty(..., huge=True)``: 2 MiB
 aligned, transparent huge pages where the system allows them; MXFP4 as Mxfp4Weight
 objects, whose checked descriptors are kept as in decode); ``--torch-weights`` holds
@@ -163,9 +164,8 @@ def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[floa
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from k3.quant.bf16 import counted_loop
+    from k3.quant.bf16 import VECTOR_LANES, counted_loop, kernel_isa
 
-    from k3.quant.bf16 import VECTOR_LANES, kernel_isa
     feats = ll.get_host_cpu_features()
     width = 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
     width = min(width, VECTOR_LANES[kernel_isa()])
@@ -307,9 +307,10 @@ def main(argv=None):
         if args.only in (None, "mxfp4"):
             for name, R, C in mx_shapes:
                 wbytes = R * C // 2 + R * C // 32
-                n_pool = max(8, -(-2 * l3_bytes() // wbytes))
+                l3 = l3_bytes()
+                n_pool = max(8, -(-2 * l3 // wbytes))
                 print(f"# {name}: a pool of {n_pool} experts ({n_pool * wbytes / 1e6:.0f} MB, twice the "
-                      f"{l3_bytes() / 2**20:.0f} MiB L3 or more)", flush=True)
+                      f"{l3 / 2**20:.0f} MiB L3 or more)", flush=True)
                 experts = [(placed(rng.integers(0, 256, (R, C // 2), dtype=np.uint8)),
                             placed(rng.integers(112, 123, (R, C // 32), dtype=np.uint8)))
                            for _ in range(n_pool)]

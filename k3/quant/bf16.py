@@ -757,26 +757,23 @@ _SCRATCH_KEEP = 16 << 20
 _SCRATCH = threading.local()
 
 
-def scratch_f32(shape: tuple[int, int], slot: int = 0) -> np.ndarray:
+def scratch_f32(shape: tuple[int, int]) -> np.ndarray:
     """An uninitialised float32 array of ``shape`` on a 64-byte boundary, in transparent
     huge pages where the system gives them (``k3.checkpoint.io.aligned_empty``): the
-    copies of x the T > 1 tiles read. Their token rows lie kilobytes apart, each on its
+    copy of x the T > 1 tiles read. Its token rows lie kilobytes apart, each on its
     own 4 KiB page, and a tile sweep over 64 tokens missed the TLB often enough to
     lose a third of its speed (docs/PERFORMANCE.md, twenty-first session); in 2 MiB
-    pages they share a few entries. Up to _SCRATCH_KEEP bytes per (Python thread,
-    slot) are kept and reused by the next call, so the caller must be done with the
-    array before it asks again for the same slot on the same thread."""
+    pages they share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
+    thread is kept and reused by the next call, so the caller must be done with the
+    array before the same thread asks again (one kernel call at a time per thread)."""
     from ..checkpoint.io import HUGE, aligned_empty
     n = shape[0] * shape[1]
     if 4 * n > _SCRATCH_KEEP:
         return aligned_empty(4 * n, huge=True).view(np.float32).reshape(shape)
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None:
-        bufs = _SCRATCH.bufs = {}
-    buf = bufs.get(slot)
+    buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.size < n:
         # one whole huge page at least, else aligned_empty would not advise one
-        buf = bufs[slot] = aligned_empty(max(4 * n, HUGE), huge=True).view(np.float32)
+        buf = _SCRATCH.buf = aligned_empty(max(4 * n, HUGE), huge=True).view(np.float32)
     return buf[:n].reshape(shape)
 
 
