@@ -761,9 +761,9 @@ def scratch_f32(shape: tuple[int, int]) -> np.ndarray:
     """An uninitialised float32 array of ``shape`` on a 64-byte boundary, in transparent
     huge pages where the system gives them (``k3.checkpoint.io.aligned_empty``): the
     copy of x the T > 1 tiles read. Its token rows lie kilobytes apart, each on its
-    own 4 KiB page, and a tile sweep over 64 tokens missed the TLB often enough to
-    lose a third of its speed (docs/PERFORMANCE.md, twenty-first session); in 2 MiB
-    pages they share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
+    own 4 KiB page, and a tile sweep over them missed the TLB often enough to take
+    1.25x the time (docs/PERFORMANCE.md, twenty-first session); in 2 MiB pages they
+    share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
     thread is kept and reused by the next call, so the caller must be done with the
     array before the same thread asks again (one kernel call at a time per thread)."""
     from ..checkpoint.io import HUGE, aligned_empty
