@@ -34,7 +34,7 @@ from ..quant.bf16 import (J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _F32, _I16, _I3
                           described, empty64, for_each_nt, make_tile, run_bf16_jobs, widen_bf16_vec,
                           _i16_ptr, _t1_rows)
 from ..quant.mxfp4 import _mxfp4_weight, run_mxfp4_jobs
-from ..quant.mxfp4 import (_SF_ROWS, _u8_ptr, perm_steps, split_evens_odds, t1_perm,
+from ..quant.mxfp4 import (_u8_ptr, perm_steps, split_evens_odds, t1_perm,
                            _t1_rows as _mx_t1_rows)
 from ..quant import region
 from ..quant.kcache import enter as _cache_enter, leave as _cache_leave
@@ -1106,7 +1106,7 @@ def _chains(d, K):
 
 
 @njit(cache=True, nogil=True)
-def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
+def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off):
     """Every row of one expert matrix (descriptor dd: bf16 (n, address, K) or mxfp4 (n,
     packed, scale, 2P)) times row ``row`` of x2 [M, K] (split into xe, xo, xep, xop for
     mxfp4) into out[off:], by the one-token kernels' own row code. (Callers pass row
@@ -1119,7 +1119,7 @@ def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off, sfs):
     else:
         P = K // 2
         _mx_t1_rows(xe, xo, xep, xop, row, numba.carray(_u8_ptr(dd[1]), (N, P)),
-                    numba.carray(_u8_ptr(dd[2]), (N, P // 16)), out, off, 0, N, sfs)
+                    numba.carray(_u8_ptr(dd[2]), (N, P // 16)), out, off, 0, N)
 
 
 @njit(cache=True, nogil=True)
@@ -1128,12 +1128,11 @@ def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb,
     """Thread c's part of ``_moe_decode1`` (a plain function: the region's loop body,
     compiled once, not into the parallel loop's lowering)."""
     G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
-    sfs = np.empty((_SF_ROWS, max(P1, P3) // 16), np.float32)
     for j in range(2):
         h = c if j == 0 else 1 - c
         if region.claim(fl, h):          # gates (h = 0) or ups (h = 1), gate | up as expert_ffn lays them
             for g in range(G):
-                _expert_matrix(d[g, h], z, ze, zo, zep, zop, np.int64(0), gu, (h * G + g) * inter, sfs)
+                _expert_matrix(d[g, h], z, ze, zo, zep, zop, np.int64(0), gu, (h * G + g) * inter)
             region.finish(fl, h)
     region.wait(fl, 0)
     region.wait(fl, 1)
@@ -1148,7 +1147,7 @@ def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb,
         h = c if j == 0 else 1 - c
         if region.claim(fl, 3 + h):
             for g in range(0 if h == 0 else gm, gm if h == 0 else G):
-                _expert_matrix(d[g, 2], hx, he, ho, hep, hop, g, cf, g * dz, sfs)
+                _expert_matrix(d[g, 2], hx, he, ho, hep, hop, g, cf, g * dz)
             region.finish(fl, 3 + h)
     region.wait(fl, 3)
     region.wait(fl, 4)

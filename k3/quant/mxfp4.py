@@ -15,8 +15,9 @@ W[r, c] = E2M1(n) * 2^(scale[r, c // 32] - 127).
   compressed-tensors' bf16 result.
 
 ``mxfp4_linear`` never builds the dequantised matrix. For T = 1 (decode) each 64-byte
-step of a row is decoded in SIMD registers (on AVX-512 by a 16-entry fp32 table per
-scale group, scaled once and looked up by a lane permute, ``_decode_step_perm_ir``;
+step of a row is decoded in SIMD registers (on AVX-512 by a lane permute in the
+scale byte's 16-entry fp32 table, one aligned load from 256 made beforehand,
+``_decode_step_perm_ir``;
 elsewhere in byte lanes: nibble -> 2 x its E2M1
 value as a small signed integer, by a byte-shuffle table lookup where the CPU has one
 (AVX2, AVX-512BW; ``kernel_isa``), else by vector arithmetic; widened to fp32 and
@@ -202,14 +203,52 @@ def _splat_ir(builder, v, n: int):
                                   ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
-def _perm_pair_ir(builder, d, sg):
-    """The permute decode of 16 bytes d (<16 x i32>, zero-extended) whose scale group's
-    factor 2^(s-127) is in every lane of sg (<16 x float>): (low nibbles' values, high
-    nibbles' values), looked up in the 16-entry table E2M1 x factor (exact)."""
+def _scaled_e2m1_table() -> np.ndarray:
+    """float32 [256, 16]: row s = the signed E2M1 values x 2^(s-127) (row 255: zeros,
+    signed as the products are): the same bits as a multiply of the signed E2M1 values
+    by the factor of ``_scale_bits_ir`` (both factors exact; 254 x 2 and up give inf as
+    a multiply does)."""
+    s = np.arange(256, dtype=np.uint32)
+    bits = np.where(s == 0, np.uint32(0x00400000), s << np.uint32(23))
+    bits = np.where(s == 255, np.uint32(0), bits).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        return np.array(_E2M1_SIGNED, np.float32)[None, :] * bits.view(np.float32)[:, None]
+
+
+_SCALED_E2M1 = _scaled_e2m1_table()
+
+
+def _scaled_table_ptr(builder):
+    """float* to ``_SCALED_E2M1`` as a constant of the module being built (64-byte
+    aligned: each scale's 16 values are one cache line, loaded whole)."""
+    mod = builder.module
+    name = "k3_mxfp4_scaled_e2m1"
+    gv = mod.globals.get(name)
+    if gv is None:
+        at = ir.ArrayType(ir.FloatType(), _SCALED_E2M1.size)
+        gv = ir.GlobalVariable(mod, at, name)
+        gv.linkage = "internal"
+        gv.global_constant = True
+        gv.align = 64
+        gv.initializer = ir.Constant(at, [float(v) for v in _SCALED_E2M1.ravel()])
+    return builder.bitcast(gv, ir.FloatType().as_pointer())
+
+
+def _table_row_ir(builder, sb):
+    """<16 x float> row of ``_SCALED_E2M1`` for the scale byte sb (i8): one aligned load,
+    no vector arithmetic."""
+    I64 = ir.IntType(64)
+    p = builder.gep(_scaled_table_ptr(builder), [builder.mul(builder.zext(sb, I64), I64(16))], inbounds=True)
+    vt = ir.VectorType(ir.FloatType(), 16)
+    return builder.load(builder.bitcast(p, vt.as_pointer()), align=64, typ=vt)
+
+
+def _perm_lookup_ir(builder, d, tab):
+    """The permute decode of 16 bytes d (<16 x i32>, zero-extended) with their scale
+    group's row ``tab`` of ``_SCALED_E2M1``: (low nibbles' values, high nibbles' values)."""
     V16, VF16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
     perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF16, [VF16, V16]),
                                           "llvm.x86.avx512.permvar.sf.512")
-    tab = builder.fmul(ir.Constant(VF16, list(_E2M1_SIGNED)), sg)
     return builder.call(perm, [tab, d]), builder.call(perm, [tab, builder.lshr(d, ir.Constant(V16, [4] * 16))])
 
 
@@ -224,35 +263,25 @@ def _byte_pair_ir(builder, b, sc):
             builder.fmul(builder.sitofp(_dec2_nibble_ir(builder, hi, VB), VF), sc))
 
 
-def _decode_step_perm_ir(builder, pp, sp, j, sfp=None):
+def _decode_step_perm_ir(builder, pp, sp, j):
     """``_decode_step_ir`` on AVX-512: each group's 16 bytes widened to 32-bit lanes
-    (one per byte, the lanes of we / wo), and a 16-entry fp32 table of E2M1 x 2^(s-127)
-    (one multiply per group, exact) looked up by a lane permute that reads only an
-    index's low 4 bits: the byte itself for the low nibble, the byte shifted right by 4
-    for the high one. The same values as the byte-lane decode, bit for bit (both
-    factors exact; scale 255 gives a zero group the same way), in about half the vector
-    operations. ``sfp``: a float* to the row's scale factors 2^(s-127) made beforehand
-    (``_row_scales``, the same bits): each group's table is then one multiply by a
-    broadcast load, no per-step work on the scale bytes (the one-token dot: 1.4x)."""
-    I64, I32, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(8), ir.FloatType()
+    (one per byte, the lanes of we / wo) and looked up by a lane permute that reads only
+    an index's low 4 bits (the byte itself for the low nibble, the byte shifted right by
+    4 for the high one) in the group's 16-entry table E2M1 x 2^(s-127), one aligned load
+    of ``_SCALED_E2M1``'s row s. The same values as the byte-lane decode, bit for bit
+    (the table's products are exact; scale 255 gives a zero group the same way), in 4
+    vector operations per scale group where the byte-lane decode needs about twice as
+    many."""
+    I64, I32, I8 = ir.IntType(64), ir.IntType(32), ir.IntType(8)
     V16 = ir.VectorType(I32, 16)
     off = builder.mul(j, I64(LANES))
-    if sfp is None:
-        VS = ir.VectorType(I32, _GPJ)
-        s4 = builder.zext(_vload(builder, sp, builder.mul(j, I64(_GPJ)), I8, _GPJ), VS)
-        sc4 = builder.bitcast(_scale_bits_ir(builder, s4, VS), ir.VectorType(F32, _GPJ))
     es, os_ = [], []
     for g in range(_GPJ):
         d = builder.zext(_vload(builder, pp, builder.add(off, I64(16 * g)), I8, 16), V16)
-        if sfp is None:
-            sg = builder.shuffle_vector(sc4, ir.Constant(sc4.type, ir.Undefined), ir.Constant(V16, [g] * 16))
-        else:
-            f = builder.load(builder.gep(sfp, [builder.add(builder.mul(j, I64(_GPJ)), I64(g))], inbounds=True))
-            sg = _splat_ir(builder, f, 16)
-        e, o = _perm_pair_ir(builder, d, sg)
+        sb = builder.load(builder.gep(sp, [builder.add(builder.mul(j, I64(_GPJ)), I64(g))], inbounds=True))
+        e, o = _perm_lookup_ir(builder, d, _table_row_ir(builder, sb))
         es.append(e)
         os_.append(o)
-
     return _concat_ir(builder, es), _concat_ir(builder, os_)
 
 
@@ -283,10 +312,10 @@ def _decode_group_ir(builder, pp, sp, j, q):
     I64, I32, I8, F32 = ir.IntType(64), ir.IntType(32), ir.IntType(8), ir.FloatType()
     V16 = ir.VectorType(I32, 16)
     b = _vload(builder, pp, builder.add(builder.mul(j, I64(LANES)), builder.mul(q, I64(16))), I8, 16)
-    s = builder.zext(builder.load(builder.gep(sp, [builder.add(builder.mul(j, I64(_GPJ)), q)], inbounds=True)), I32)
+    sb = builder.load(builder.gep(sp, [builder.add(builder.mul(j, I64(_GPJ)), q)], inbounds=True))
     if _ISA == "avx512":
-        f = builder.bitcast(_scale_bits_ir(builder, s, I32), F32)
-        return _perm_pair_ir(builder, builder.zext(b, V16), _splat_ir(builder, f, 16))
+        return _perm_lookup_ir(builder, builder.zext(b, V16), _table_row_ir(builder, sb))
+    s = builder.zext(sb, I32)
     sc = builder.bitcast(_half_scale_bits_ir(builder, _splat_ir(builder, s, 16), V16), ir.VectorType(F32, 16))
     return _byte_pair_ir(builder, b, sc)
 
@@ -306,17 +335,15 @@ def _f32_array(t):
 PREFETCH_BYTES = 4096
 
 
-def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name, sfp=None):
+def _dot_steps_ir(builder, xep, xop, pp, sp, n, a0, name):
     """Step 1 of the canonical order in registers: for j < n, decode bytes [64j, 64j+64)
-    and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise, from the <64 x float> a0.
-    ``sfp``: the row's scale factors made beforehand (AVX-512 only, the permute
-    decode's)."""
+    and acc = fma(xo, wo, fma(xe, we, acc)) lane-wise, from the <64 x float> a0."""
     I64 = ir.IntType(64)
 
     def body(j, acc):
         off = builder.mul(j, I64(LANES))
         _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
-        we, wo = _decode_step_ir(builder, pp, sp, j) if sfp is None else _decode_step_perm_ir(builder, pp, sp, j, sfp)
+        we, wo = _decode_step_ir(builder, pp, sp, j)
         a1 = _vfma(builder, _vload(builder, xep, off, ir.FloatType(), LANES), we, acc[0])
         return [_vfma(builder, _vload(builder, xop, off, ir.FloatType(), LANES), wo, a1)]
 
@@ -354,50 +381,31 @@ def _row_args(xe, xo, xr, pk, sc, r, nj):
 
 
 def _row_ptrs(context, builder, sig, args):
-    """(xe, xo, packed, scale pointers at their rows, nj as i64) for ``_row_args``; a 1-D
-    scale argument (one row's scale factors) is pointed at as it is."""
+    """(xe, xo, packed, scale pointers at their rows, nj as i64) for ``_row_args``."""
     i64 = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 5, 6)]
     xr, r, n = i64
     zero = ir.IntType(64)(0)
-    sp = _data_ptr(context, builder, sig.args[4], args[4]) if sig.args[4].ndim == 1 else \
-        _row_ptr(context, builder, sig.args[4], args[4], r, zero)
     return (_row_ptr(context, builder, sig.args[0], args[0], xr, zero),
             _row_ptr(context, builder, sig.args[1], args[1], xr, zero),
-            _row_ptr(context, builder, sig.args[3], args[3], r, zero), sp, n)
+            _row_ptr(context, builder, sig.args[3], args[3], r, zero),
+            _row_ptr(context, builder, sig.args[4], args[4], r, zero), n)
 
 
 @intrinsic
 def _dot_mxfp4(typingctx, xe, xo, xr, pk, sc, r, nj):
     """x[xr] . W[r] for one row of 64 * nj bytes (no tail), the whole canonical order in
     registers: lanes from +0.0, the fused decode + 2 fma per step, the halving tree.
-    The same bits as ``_zero`` + ``_vdot_mxfp4`` + ``_tree_sum``. ``sc``: the scale
-    bytes (2-D, row r read), or on AVX-512 row r's scale factors already made (float32
-    1-D, ``_row_scales``): the same bits."""
-    factors = _ROW_SF and _f32_array(sc)
-    if not _row_args(xe, xo, xr, pk, pk if factors else sc, r, nj):
+    The same bits as ``_zero`` + ``_vdot_mxfp4`` + ``_tree_sum``."""
+    if not _row_args(xe, xo, xr, pk, sc, r, nj):
         return None
     sig = types.float32(xe, xo, xr, pk, sc, r, nj)
 
     def codegen(context, builder, sig, args):
         xep, xop, pp, sp, n = _row_ptrs(context, builder, sig, args)
-        sp, sfp = (None, sp) if factors else (sp, None)
         zero = ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
-        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx", sfp))
+        return tree_sum_ir(builder, _dot_steps_ir(builder, xep, xop, pp, sp, n, zero, "dmx"))
 
     return sig, codegen
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _row_scales(scale, r, sf):
-    """sf[i] = 2^(scale[r, i] - 127) for every scale byte of row r (``_scale_f32``)."""
-    for i in range(scale.shape[1]):
-        sf[i] = _scale_f32(scale[r, i])
-
-
-#: rows read by one to _NTF tokens make their scale factors first (``_row_scales``, then
-#: ``_dot_mxfp4`` or ``_vdotn_sf`` on them): AVX-512 only
-_ROW_SF = _ISA == "avx512"
-_SF_ROWS = 1 if _ROW_SF else 0   # rows of the one-token scale-factor scratch
 
 
 # ---- T = 1 on AVX2: the decode as bf16 words, the scale as an exponent subtraction
@@ -620,7 +628,7 @@ def make_vdotn_w(max_nt):
     return intrinsic(typer)
 
 
-def make_vdotn_mxfp4(max_nt, sf=False):
+def make_vdotn_mxfp4(max_nt):
     """An intrinsic for a few tokens sharing each decoded step of one row::
 
         vdotn(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride)
@@ -631,33 +639,19 @@ def make_vdotn_mxfp4(max_nt, sf=False):
     canonical order). ``mode`` bit 0: the lanes start at +0.0; bit 1: finish,
     out[obase + t * ostride] = the halving tree of acc[a0 + t]. For T = 2 .. max_nt the
     decode (more work per byte than the multiply-adds of two tokens) is paid once per
-    call instead of once per token, and no decoded copy goes through memory.
-
-    ``sf``: ``sc`` is instead a float32 [rows, groups] array of scale factors made
-    beforehand (``_row_scales``) and its row ``r`` is read (AVX-512's permute decode with
-    each group's table one multiply by a broadcast load); the packed row is pk[r + sr]
-    for one more integer argument ``sr`` after ``r``."""
+    call instead of once per token, and no decoded copy goes through memory."""
     def codegen(context, builder, sig, args):
         I64 = ir.IntType(64)
         F32 = ir.FloatType()
         iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
               for a, t in zip(args, sig.args)]
-        if sf:
-            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, sr, j0, n, mode, out_v, obase, ostride = iv
-        else:
-            nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, j0, n, mode, out_v, obase, ostride = iv
+        nt_v, acc_v, a0, xe_v, xo_v, xr, pk_v, sc_v, r, j0, n, mode, out_v, obase, ostride = iv
         at, xt, pt = sig.args[1], sig.args[3], sig.args[6]
         first = builder.icmp_unsigned("!=", builder.and_(mode, I64(1)), I64(0))
         finish = builder.icmp_unsigned("!=", builder.and_(mode, I64(2)), I64(0))
         outp = _data_ptr(context, builder, sig.args[-3], out_v)
-        if sf:
-            pp = _row_ptr(context, builder, pt, pk_v, builder.add(r, sr), builder.mul(j0, I64(LANES)))
-            sfp = _row_ptr(context, builder, sig.args[7], sc_v, r, builder.mul(j0, I64(_GPJ)))
-            sp = None
-        else:
-            pp = _row_ptr(context, builder, pt, pk_v, r, builder.mul(j0, I64(LANES)))
-            sp = _row_ptr(context, builder, pt, sc_v, r, builder.mul(j0, I64(_GPJ)))
-            sfp = None
+        pp = _row_ptr(context, builder, pt, pk_v, r, builder.mul(j0, I64(LANES)))
+        sp = _row_ptr(context, builder, pt, sc_v, r, builder.mul(j0, I64(_GPJ)))
         z = ir.Constant(ir.VectorType(F32, LANES), [0.0] * LANES)
         def emit(n_t):
             e0 = builder.mul(j0, I64(LANES))
@@ -669,8 +663,7 @@ def make_vdotn_mxfp4(max_nt, sf=False):
             def body(j, acc, xep=xep, xop=xop):
                 off = builder.mul(j, I64(LANES))
                 _prefetch(builder, builder.gep(pp, [builder.add(off, I64(PREFETCH_BYTES))]))
-                we, wo = _decode_step_ir(builder, pp, sp, j) if sfp is None else \
-                    _decode_step_perm_ir(builder, pp, None, j, sfp)
+                we, wo = _decode_step_ir(builder, pp, sp, j)
                 return [_vfma(builder, _vload(builder, xo_p, off, F32, LANES), wo,
                               _vfma(builder, _vload(builder, xe_p, off, F32, LANES), we, a))
                         for a, xe_p, xo_p in zip(acc, xep, xop)]
@@ -689,22 +682,15 @@ def make_vdotn_mxfp4(max_nt, sf=False):
         return context.get_dummy_value()
 
     def check(nt, acc, a0, xe, xo, xr, pk, sc, ints, out):
-        ok_sc = c_matrix(sc, F32_ONLY) if sf else sc == pk
         return (c_matrix(acc, F32_ONLY) and c_matrix(xe, F32_ONLY) and xo == xe and c_matrix(pk, _U8_ONLY)
-                and ok_sc and _f32_array(out) and all(isinstance(t, types.Integer) for t in ints))
+                and sc == pk and _f32_array(out) and all(isinstance(t, types.Integer) for t in ints))
 
-    if sf:
-        def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, sr, j0, n, mode, out, obase, ostride):
-            if not check(nt, acc, a0, xe, xo, xr, pk, sc, (nt, a0, xr, r, sr, j0, n, mode, obase, ostride), out):
-                return None
-            return types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, sr, j0, n, mode, out, obase, ostride), codegen
-    else:
-        def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
-            if not check(nt, acc, a0, xe, xo, xr, pk, sc, (nt, a0, xr, r, j0, n, mode, obase, ostride), out):
-                return None
-            return types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride), codegen
+    def typer(typingctx, nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride):
+        if not check(nt, acc, a0, xe, xo, xr, pk, sc, (nt, a0, xr, r, j0, n, mode, obase, ostride), out):
+            return None
+        return types.void(nt, acc, a0, xe, xo, xr, pk, sc, r, j0, n, mode, out, obase, ostride), codegen
 
-    typer.__name__ = f"vdotn{max_nt}_mxfp4" + ("_sf" if sf else "")
+    typer.__name__ = f"vdotn{max_nt}_mxfp4"
     return intrinsic(typer)
 
 
@@ -745,7 +731,6 @@ _GST = 64
 #: on the AVX2 path; at 7, 1.07x, docs/PERFORMANCE.md)
 _NTF = 6
 _vdotn = make_vdotn_mxfp4(_NTF)
-_vdotn_sf = make_vdotn_mxfp4(_NTF, sf=True)
 _vdotn_w = make_vdotn_w(_NTF)
 
 
@@ -865,22 +850,15 @@ def t1_perm(P):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1, sfs):
+def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1):
     """out[off + r] = x[x0] . W[r] for rows r0 <= r < r1 of one token: each row decoded
     in registers and consumed at once (the packed bytes read exactly once; on AVX2 by
     ``_dot_mxfp4_w`` from x in the W_PERM order, xep / xop, unless a scale of the row
     needs the byte-lane decode), in the canonical order: the T = 1 work of every
-    kernel here. sfs: float32 [>= 1, P / 16] scratch for a row's scale factors (AVX-512;
-    the caller's, so that no block allocates one; [0, ...] elsewhere)."""
+    kernel here."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
-    if pm == P and _ROW_SF:                           # AVX-512: the row's scale factors, then the row
-        sf = sfs[0]
-        for r in range(r0, r1):
-            _row_scales(scale, r, sf)
-            out[off + r] = _dot_mxfp4(xe, xo, x0, packed, sf, r, nj)
-        return
     if pm == P:                                       # no tail: the whole row in registers
         for r in range(r0, r1):
             if _W16:
@@ -907,7 +885,7 @@ def _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, r0, r1, sfs):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1, sfs):
+def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1):
     """Row block b (``job_blocks``) of a job table whose jobs all have one token."""
     P = xe.shape[1]
     g = np.searchsorted(starts, b, side="right") - 1
@@ -915,7 +893,7 @@ def _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1, sfs):
     packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
     scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
     r0 = (b - starts[g]) * rb1
-    _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], r0, min(R, r0 + rb1), sfs)
+    _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], r0, min(R, r0 + rb1))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -926,9 +904,8 @@ def _mxfp4_t1(x, jobs, out, rb1):
     set up and to fetch)."""
     xe, xo, xep, xop = _split_x(x, jobs)
     starts = job_blocks(jobs, rb1, rb1)
-    sf_all = np.empty((starts[-1], _SF_ROWS, xe.shape[1] // 16), np.float32)   # one allocation per call
     for b in prange(starts[-1]):
-        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1, sf_all[b])
+        _t1_block(xe, xo, xep, xop, jobs, out, starts, b, rb1)
 
 
 @njit(cache=True, nogil=True)
@@ -937,12 +914,11 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
     the pool."""
     xe, xo, xep, xop = _split_x(x, jobs)
     P = xe.shape[1]
-    sfs = np.empty((_SF_ROWS, P // 16), np.float32)
     for g in range(jobs.shape[0]):                    # whole jobs: no blocks to find
         R = jobs[g, J_N]
         packed = numba.carray(_u8_ptr(jobs[g, J_ADDR]), (R, P))
         scale = numba.carray(_u8_ptr(jobs[g, J_ADDR + 1]), (R, P // 16))
-        _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R, sfs)
+        _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -992,7 +968,6 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     wok = np.zeros((nth, rb), np.int64)
     ws_all = empty64(nth * rb * nj * 32).reshape((nth, rb, nj * 32))   # one scale group of rb rows
     acc_all = empty64(nth * rb * max(_GST, _NTF) * LANES).reshape((nth, rb * max(_GST, _NTF), LANES))
-    sf_all = np.empty((nth, rb if _ROW_SF else 0, P // 16), np.float32)
     for b in prange(starts[-1]):
         g = np.searchsorted(starts, b, side="right") - 1
         R = jobs[g, J_N]
@@ -1004,7 +979,7 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
         tid = get_thread_id()
         if T == 1:
             _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, (b - starts[g]) * rb1,
-                     min(R, (b - starts[g] + 1) * rb1), sf_all[tid])
+                     min(R, (b - starts[g] + 1) * rb1))
             continue
         r0 = (b - starts[g]) * rb
         nrb = min(R, r0 + rb) - r0
@@ -1012,18 +987,11 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
         if T <= _NTF:                                     # a few tokens: decode in registers
             for r in range(nrb):                          # 1: this row by the AVX2 decode
                 wok[tid, r] = 1 if _W16 and pm == P and _row_bad(scale, r0 + r) == 0 else 0
-            sfb = sf_all[tid]
-            if _ROW_SF:                                   # AVX-512: the rows' scale factors first
-                for r in range(nrb):
-                    _row_scales(scale, r0 + r, sfb[r])
             for c0 in range(0, nj, jc):
                 n = min(nj, c0 + jc) - c0
                 mode = (1 if c0 == 0 else 0) | (2 if c0 + jc >= nj and pm == P else 0)
                 for r in range(nrb):
-                    if _ROW_SF:
-                        _vdotn_sf(T, acc, r * _NTF, xe, xo, x0, packed, sfb, r, r0, c0, n, mode, out,
-                                  off + r0 + r, R)
-                    elif wok[tid, r]:
+                    if wok[tid, r]:
                         _vdotn_w(T, acc, r * _NTF, xep, xop, x0, packed, scale, r0 + r, c0, n, mode, out,
                                  off + r0 + r, R)
                     else:
