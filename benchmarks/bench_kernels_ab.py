@@ -10,7 +10,11 @@ compared bit for bit before any timing.
 
 Each rep: one warm call (the pool's threads awake), then ``--calls`` timed calls, the
 mean per call. MXFP4 cycles through ``--experts`` distinct random experts (scale bytes
-112..122, as in K3), one per rep, as a model's calls do; BF16 uses one matrix.
+112..122, as in K3), one per rep, as a model's calls do; BF16 uses one matrix. Those
+weights are warm (the warm call has just read them). ``--cold``: MXFP4 only, a pool of
+experts at least twice the L3 the system reports (as bench_kernels.py), the warm call
+on one expert and every timed call on the next ones, so the timed calls read their
+weights from memory as a model's do.
 
     git worktree add /tmp/k3-old <rev>
     python benchmarks/bench_kernels_ab.py /tmp/k3-old [--kernel mxfp4] [--tokens 8,16,64]
@@ -51,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--calls", type=int, default=3, help="timed calls per rep")
     ap.add_argument("--experts", type=int, default=4, help="MXFP4: distinct experts cycled")
+    ap.add_argument("--cold", action="store_true", help="MXFP4: timed calls on experts not in cache")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "kernels_ab.tsv"))
     args = ap.parse_args(argv)
@@ -73,6 +78,12 @@ def main(argv=None) -> int:
     flags = cpu_flags()
     print(f"this {codes['this']} against other {codes['other']} ({other.__file__}); {flags}", file=sys.stderr)
     g = torch.Generator().manual_seed(0)
+    if args.cold and args.kernel != "mxfp4":
+        ap.error("--cold is for --kernel mxfp4")
+    if args.cold:
+        from bench_kernels import l3_bytes  # noqa: E402
+        args.experts = max(args.experts, -(-2 * l3_bytes() // (R * C * 17 // 32)))
+        print(f"cold: a pool of {args.experts} experts", file=sys.stderr)
     if args.kernel == "mxfp4":
         ws = [(torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g),
                torch.randint(112, 123, (R, C // 32), dtype=torch.uint8, generator=g)) for _ in range(args.experts)]
@@ -85,7 +96,7 @@ def main(argv=None) -> int:
         def call(q, x, w):
             return q.bf16_linear(x, w)
     tsv = Tsv(Path(args.tsv), ["kernel", "shape", "tokens", "tree", "code", "rep", "first", "threads", "ms",
-                               "gfma_s", "load", "cpu"])
+                               "gfma_s", "load", "cpu", "weights"])
     shape = f"{R}x{C}"
     for T in tokens:
         x = torch.randn(T, C, generator=g)
@@ -94,18 +105,25 @@ def main(argv=None) -> int:
             print(f"{args.kernel} {shape} T={T}: the trees' outputs differ; nothing timed", file=sys.stderr)
             return 1
         res = {t: [] for t in quants}
+        nxt = 0
         for rep in range(args.reps):
             order = ("other", "this") if rep % 2 == 0 else ("this", "other")
             w = ws[rep % len(ws)]
             for t in order:
-                call(quants[t], x, w)
+                if args.cold:   # the next calls + 1 experts of the pool, in turn
+                    cw = [ws[(nxt + i) % len(ws)] for i in range(args.calls + 1)]
+                    nxt += args.calls + 1
+                else:
+                    cw = [w] * (args.calls + 1)
+                call(quants[t], x, cw[0])
                 t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    call(quants[t], x, w)
+                for i in range(args.calls):
+                    call(quants[t], x, cw[1 + i])
                 s = (time.perf_counter() - t0) / args.calls
                 res[t].append(s)
                 tsv.add(kernel=args.kernel, shape=shape, tokens=T, tree=t, code=codes[t], rep=rep, first=order[0],
-                        threads=args.threads, ms=s * 1e3, gfma_s=T * R * C / s / 1e9, load=loadavg(), cpu=flags)
+                        threads=args.threads, ms=s * 1e3, gfma_s=T * R * C / s / 1e9, load=loadavg(), cpu=flags,
+                        weights=(f"cold, {len(ws)} experts" if args.cold else "warm"))
         mo, mt = statistics.median(res["other"]), statistics.median(res["this"])
         fl = T * R * C / 1e9
         print(f"{args.kernel} {shape} T={T}: other {mo * 1e3:.2f} ms ({fl / mo:.0f} GFMA/s), this {mt * 1e3:.2f} ms "
