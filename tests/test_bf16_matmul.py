@@ -279,3 +279,37 @@ def test_kernel_scratch_and_activation_copies_start_on_a_cache_line():
         xs = bf16.pair_split_x(x)
         assert xs.ctypes.data % 64 == 0 and xs.shape == (T, K) and xs.flags.c_contiguous
         assert np.array_equal(np.sort(xs, axis=1), np.sort(x, axis=1))   # a permutation of each row
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_shared_trees_give_each_rows_halving_tree(n):
+    """make_trees(n): n rows' canonical trees side by side in registers, the bits of the
+    halving tree in float32 (numpy, one row at a time), signed zeros, infinities and NaN
+    included."""
+    from numba import njit
+    from k3.quant.bf16 import make_trees
+    trees = make_trees(n)
+
+    @njit
+    def run(acc, a0, stride, out, o0):
+        trees(acc, a0, stride, out, o0)
+
+    rng = np.random.default_rng(n)
+    stride = 3
+    rows = 2 + max(n, 3) * stride
+    acc = (rng.standard_normal((rows, LANES)) * 10.0 ** rng.integers(-30, 30, (rows, 1))).astype(np.float32)
+    acc[2 + stride, 5] = np.inf
+    acc[2, 7] = -0.0
+    if n > 2:
+        acc[2 + 2 * stride, 9], acc[2 + 2 * stride, 41] = np.inf, -np.inf        # inf - inf: NaN
+    out = np.full(n + 4, 7.0, np.float32)
+    run(acc, 2, stride, out, 1)
+    for k in range(n):
+        a = acc[2 + k * stride].copy()
+        h = LANES // 2
+        with np.errstate(invalid="ignore"):                 # inf - inf
+            while h >= 1:
+                a[:h] = a[:h] + a[h:2 * h]
+                h //= 2
+        assert out[1 + k].tobytes() == a[0].tobytes(), k
+    assert out[0] == 7.0 and (out[n + 1:] == 7.0).all()     # nothing outside its n lanes written

@@ -555,6 +555,65 @@ def tree_sum_ir(builder, v):
     return builder.extract_element(v, _I32(0))
 
 
+def trees_ir(builder, vecs):
+    """``tree_sum_ir`` of each <64 x float> of ``vecs`` (a power of two of them, <= 64):
+    <n x float>, lane k the tree of vecs[k]. The same additions, lane i + lane i + h,
+    but the trees share their registers: each stage puts the first and the last h lanes
+    of every tree's part side by side and adds once, two vectors' trees into one vector
+    while there are several, so 8 trees take ~6 vector operations each where one tree
+    alone takes a chain of 6 dependent additions and its shuffles."""
+    n = len(vecs)
+    assert n and n & (n - 1) == 0 and n <= LANES and all(v.type.count == LANES for v in vecs)
+    k, w = 1, LANES                      # trees per vector, lanes per tree
+
+    def halves(L, off):                  # lanes [0, h) and [h, w) of each tree's part
+        h = w // 2
+        return ([off + j * w + i for j in range(L // w) for i in range(h)],
+                [off + j * w + h + i for j in range(L // w) for i in range(h)])
+
+    while w > 1:
+        L = k * w
+        if len(vecs) > 1:                # two vectors' trees side by side, then one addition
+            lo_a, hi_a = halves(L, 0)
+            lo_b, hi_b = halves(L, L)
+            m = ir.VectorType(_I32, L)
+            vecs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(m, lo_a + lo_b)),
+                                 builder.shuffle_vector(a, b, ir.Constant(m, hi_a + hi_b)))
+                    for a, b in zip(vecs[0::2], vecs[1::2])]
+            k *= 2
+        else:
+            lo, hi = halves(L, 0)
+            m = ir.VectorType(_I32, L // 2)
+            a = vecs[0]
+            vecs = [builder.fadd(builder.shuffle_vector(a, a, ir.Constant(m, lo)),
+                                 builder.shuffle_vector(a, a, ir.Constant(m, hi)))]
+        w //= 2
+    return vecs[0]
+
+
+def make_trees(n):
+    """An intrinsic ``trees(acc, a0, stride, out, o0)``: out[o0 + k] = the halving tree
+    of acc[a0 + k * stride] for k < n (acc float32 [rows, 64], out float32 1-D), by
+    ``trees_ir``: the bits of ``_tree_sum`` on each row."""
+    def typer(typingctx, acc, a0, stride, out, o0):
+        if not (c_matrix(acc, F32_ONLY) and isinstance(out, types.Array) and out.ndim == 1
+                and out.dtype == types.float32 and all(isinstance(t, types.Integer) for t in (a0, stride, o0))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a0_, st, o0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4))
+            vecs = [_vload(builder, _row_ptr(context, builder, sig.args[0], args[0],
+                                             builder.add(a0_, builder.mul(_I64(k), st)), _I64(0)), _I64(0), _F32, LANES)
+                    for k in range(n)]
+            _vstore(builder, trees_ir(builder, vecs), _data_ptr(context, builder, sig.args[3], args[3]), o0_)
+            return context.get_dummy_value()
+
+        return types.void(acc, a0, stride, out, o0), codegen
+
+    typer.__name__ = f"trees{n}"
+    return intrinsic(typer)
+
+
 _vdot_bf16 = make_vdot(1, 1, 1, "bf16")     # T = 1 with a tail
 
 #: register tiles (tokens x rows) per path: nt * nr accumulators + nr weight vectors +

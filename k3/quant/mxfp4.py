@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from .bf16 import (F32_ONLY, J_ADDR, J_N, J_OFF, J_X0, J_X1, LANES, _as_f32_activations, _data_ptr, _fma, _launch,
                    _launch_t1,
                    _prefetch, _tree_sum, _vfma, _vload, _vstore, _zero, address_intrinsic, as_cpu_array, c_matrix,
-                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_gtile, for_each_nt,
+                   counted_loop, empty64, job_blocks, tree_sum_ir, grouped_jobs, make_gtile, make_trees, for_each_nt,
                    _ISA, _V, _row_ptr, scratch_f32)
 from .kcache import enter as _cache_enter, leave as _cache_leave
 
@@ -732,6 +732,7 @@ _GST = 64
 _NTF = 6
 _vdotn = make_vdotn_mxfp4(_NTF)
 _vdotn_w = make_vdotn_w(_NTF)
+_trees8 = make_trees(8)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -926,22 +927,30 @@ def _tail_tree(packed, scale, xe, xo, acc, tb, xt, nt, out, ob, R, r0, nrb, sc3)
     """Steps 2-3 of the canonical order for rows r0 .. r0 + nrb - 1 and tokens t < nt
     whose step-1 lanes are in acc[r * tb + t] (+0.0 when there are no whole steps): the
     tail bytes [Pm, P) of each row (decoded into sc3's rows 1 / 2) with x rows xt + t,
-    then out[ob + t * R + r0 + r] = the halving tree."""
+    then out[ob + t * R + r0 + r] = the halving tree (8 rows' trees of a token at once,
+    ``_trees8``, where the block has 8 rows)."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
     te = sc3[1]
     to = sc3[2]
-    for r in range(nrb):
-        if pm < P:
-            _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
+    if pm < P or nj == 0:
+        for r in range(nrb):
+            if pm < P:
+                _decode_tail(packed[r0 + r], scale[r0 + r], te, to, pm, P)
+            for t in range(nt):
+                a = acc[r * tb + t]
+                if nj == 0:
+                    _zero(a)
+                for i in range(P - pm):
+                    a[i] = _fma(xo[xt + t, pm + i], to[i], _fma(xe[xt + t, pm + i], te[i], a[i]))
+    if nrb == 8:
         for t in range(nt):
-            a = acc[r * tb + t]
-            if nj == 0:
-                _zero(a)
-            for i in range(P - pm):
-                a[i] = _fma(xo[xt + t, pm + i], to[i], _fma(xe[xt + t, pm + i], te[i], a[i]))
-            out[ob + t * R + r0 + r] = _tree_sum(a)
+            _trees8(acc, t, tb, out, ob + t * R + r0)
+        return
+    for r in range(nrb):
+        for t in range(nt):
+            out[ob + t * R + r0 + r] = _tree_sum(acc[r * tb + t])
 
 
 @njit(parallel=True, cache=True, nogil=True)
