@@ -968,11 +968,13 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     decoded once into an exact fp32 scratch laid out group-major (``_vdecode_group``),
     which the register tiles (``_gtile2``, _NT2 tokens x _NR2 rows, x from xg in the
     same layout, ``_group_x``) sweep whole, each lane's sum finished in registers and
-    stored once. All have the canonical order of the module docstring."""
+    stored once; such a job's prange items are (super tile, row block) pairs, super
+    tile major (``_super_blocks``). All have the canonical order of the module
+    docstring."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
-    starts = job_blocks(jobs, rb1, rb)
+    starts = _super_blocks(jobs, rb1, rb)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     wok = np.zeros((nth, rb), np.int64)
     ws_all = empty64(nth * rb * nj * 32).reshape((nth, rb, nj * 32))   # one scale group of rb rows
@@ -990,7 +992,8 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
             _t1_rows(xe, xo, xep, xop, x0, packed, scale, out, off, (b - starts[g]) * rb1,
                      min(R, (b - starts[g] + 1) * rb1))
             continue
-        r0 = (b - starts[g]) * rb
+        nbr = (R + rb - 1) // rb                          # row blocks of the job
+        r0 = (b - starts[g]) % nbr * rb
         nrb = min(R, r0 + rb) - r0
         acc = acc_all[tid]
         if T <= _NTF:                                     # a few tokens: decode in registers
@@ -1009,25 +1012,43 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                 _tail_tree(packed, scale, xe, xo, acc, _NTF, x0, T, out, off, R, r0, nrb, gv_all[tid])
             continue
         ws = ws_all[tid]
-        for s0 in range(0, T, _GST):                      # a super tile: its (token, row) sums in acc
-            ns = min(_GST, T - s0)
-            for q in range(_GPJ):
-                for r in range(nrb):
-                    _vdecode_group(ws[r], packed[r0 + r], scale[r0 + r], nj, q)
-                for h in range(16 // _V):                 # the group's registers of lanes
-                    for t0 in range(0, ns, _NT2):
-                        nt = min(_NT2, ns - t0)
-                        r = 0
-                        while r < nrb:
-                            if r + _NR2 <= nrb:
-                                _gtile2(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
-                                        32 * nj * q + _V * h, ws, r, _V * h, nj)
-                                r += _NR2
-                            else:
-                                _gtile2_1(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
-                                          32 * nj * q + _V * h, ws, r, _V * h, nj)
-                                r += 1
-            _tail_tree(packed, scale, xe, xo, acc, _GST, x0 + s0, ns, out, off + s0 * R, R, r0, nrb, gv_all[tid])
+        s0 = (b - starts[g]) // nbr * _GST                # this item's super tile: its (token, row) sums in acc
+        ns = min(_GST, T - s0)
+        for q in range(_GPJ):
+            for r in range(nrb):
+                _vdecode_group(ws[r], packed[r0 + r], scale[r0 + r], nj, q)
+            for h in range(16 // _V):             # the group's registers of lanes
+                for t0 in range(0, ns, _NT2):
+                    nt = min(_NT2, ns - t0)
+                    r = 0
+                    while r < nrb:
+                        if r + _NR2 <= nrb:
+                            _gtile2(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
+                                    32 * nj * q + _V * h, ws, r, _V * h, nj)
+                            r += _NR2
+                        else:
+                            _gtile2_1(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
+                                      32 * nj * q + _V * h, ws, r, _V * h, nj)
+                            r += 1
+        _tail_tree(packed, scale, xe, xo, acc, _GST, x0 + s0, ns, out, off + s0 * R, R, r0, nrb, gv_all[tid])
+
+
+@njit(cache=True, nogil=True)
+def _super_blocks(jobs, rb1, rb):
+    """``job_blocks`` for ``_mxfp4_grouped``: a job of more than _NTF tokens has one
+    block per (super tile of _GST tokens, row block), super tile major, so that the
+    threads work through one super tile's x at a time (a block that took all of a long
+    job's super tiles read the whole of x again, from L3 once it outgrew L2: half the
+    speed at 256 tokens)."""
+    G = jobs.shape[0]
+    starts = np.empty(G + 1, np.int64)
+    starts[0] = 0
+    for g in range(G):
+        T = jobs[g, J_X1] - jobs[g, J_X0]
+        b = rb1 if T == 1 else rb
+        n = (jobs[g, J_N] + b - 1) // b
+        starts[g + 1] = starts[g] + (n * ((T + _GST - 1) // _GST) if T > _NTF else n)
+    return starts
 
 
 # --------------------------------------------------------------------------- wrappers
