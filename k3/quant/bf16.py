@@ -837,15 +837,19 @@ def scratch_f32(shape: tuple[int, int]) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def job_blocks(jobs, rb1, rb):
+def job_blocks(jobs, rb1, rb, long_t=0, st=1):
     """Prefix sums of the jobs' row blocks (rb1 rows when a job has one token, rb
-    otherwise): job g owns blocks starts[g] .. starts[g+1]-1."""
+    otherwise): job g owns blocks starts[g] .. starts[g+1]-1. A job of more than
+    ``long_t`` tokens (0: none) has one block per (super tile of ``st`` tokens, row
+    block), super tile major: block i is super tile i // n, row block i % n of its n."""
     G = jobs.shape[0]
     starts = np.empty(G + 1, np.int64)
     starts[0] = 0
     for g in range(G):
-        b = rb1 if jobs[g, J_X1] - jobs[g, J_X0] == 1 else rb
-        starts[g + 1] = starts[g] + (jobs[g, J_N] + b - 1) // b
+        T = jobs[g, J_X1] - jobs[g, J_X0]
+        b = rb1 if T == 1 else rb
+        n = (jobs[g, J_N] + b - 1) // b
+        starts[g + 1] = starts[g] + (n * ((T + st - 1) // st) if 0 < long_t < T else n)
     return starts
 
 

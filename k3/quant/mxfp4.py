@@ -204,15 +204,14 @@ def _splat_ir(builder, v, n: int):
 
 
 def _scaled_e2m1_table() -> np.ndarray:
-    """float32 [256, 16]: row s = the signed E2M1 values x 2^(s-127) (row 255: zeros,
-    signed as the products are): the same bits as a multiply of the signed E2M1 values
-    by the factor of ``_scale_bits_ir`` (both factors exact; 254 x 2 and up give inf as
-    a multiply does)."""
-    s = np.arange(256, dtype=np.uint32)
-    bits = np.where(s == 0, np.uint32(0x00400000), s << np.uint32(23))
-    bits = np.where(s == 255, np.uint32(0), bits).astype(np.uint32)
+    """float32 [256, 16]: row s = the signed E2M1 values x 2^(s-127), the format's own
+    definition, exact in fp32 (subnormal at s = 0; 254 x 2 and up overflow to inf as a
+    multiply does); row 255, a zero group, is those values x +0.0."""
+    e2m1 = np.array(_E2M1_SIGNED, np.float32)
     with np.errstate(over="ignore"):
-        return np.array(_E2M1_SIGNED, np.float32)[None, :] * bits.view(np.float32)[:, None]
+        tab = np.ldexp(e2m1[None, :], (np.arange(256, dtype=np.int32) - 127)[:, None])
+    tab[255] = e2m1 * np.float32(0.0)
+    return tab
 
 
 _SCALED_E2M1 = _scaled_e2m1_table()
@@ -732,7 +731,7 @@ _GST = 64
 _NTF = 6
 _vdotn = make_vdotn_mxfp4(_NTF)
 _vdotn_w = make_vdotn_w(_NTF)
-_trees8 = make_trees(8)
+_trees_rb = make_trees(_RB)              # a block's rows' trees side by side (_RB: a power of two)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -927,8 +926,8 @@ def _tail_tree(packed, scale, xe, xo, acc, tb, xt, nt, out, ob, R, r0, nrb, sc3)
     """Steps 2-3 of the canonical order for rows r0 .. r0 + nrb - 1 and tokens t < nt
     whose step-1 lanes are in acc[r * tb + t] (+0.0 when there are no whole steps): the
     tail bytes [Pm, P) of each row (decoded into sc3's rows 1 / 2) with x rows xt + t,
-    then out[ob + t * R + r0 + r] = the halving tree (8 rows' trees of a token at once,
-    ``_trees8``, where the block has 8 rows)."""
+    then out[ob + t * R + r0 + r] = the halving tree (a whole block's rows' trees of a
+    token at once, ``_trees_rb``)."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
@@ -944,9 +943,9 @@ def _tail_tree(packed, scale, xe, xo, acc, tb, xt, nt, out, ob, R, r0, nrb, sc3)
                     _zero(a)
                 for i in range(P - pm):
                     a[i] = _fma(xo[xt + t, pm + i], to[i], _fma(xe[xt + t, pm + i], te[i], a[i]))
-    if nrb == 8:
+    if nrb == _RB:
         for t in range(nt):
-            _trees8(acc, t, tb, out, ob + t * R + r0)
+            _trees_rb(acc, t, tb, out, ob + t * R + r0)
         return
     for r in range(nrb):
         for t in range(nt):
@@ -969,12 +968,14 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     which the register tiles (``_gtile2``, _NT2 tokens x _NR2 rows, x from xg in the
     same layout, ``_group_x``) sweep whole, each lane's sum finished in registers and
     stored once; such a job's prange items are (super tile, row block) pairs, super
-    tile major (``_super_blocks``). All have the canonical order of the module
-    docstring."""
+    tile major (``job_blocks``: the threads work through one super tile's x at a time;
+    a block that took all of a long job's super tiles read the whole of x again, from
+    L3 once it outgrew L2: half the speed at 256 tokens). All have the canonical order
+    of the module docstring."""
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
-    starts = _super_blocks(jobs, rb1, rb)
+    starts = job_blocks(jobs, rb1, rb, _NTF, _GST)
     gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
     wok = np.zeros((nth, rb), np.int64)
     ws_all = empty64(nth * rb * nj * 32).reshape((nth, rb, nj * 32))   # one scale group of rb rows
@@ -1031,24 +1032,6 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                                       32 * nj * q + _V * h, ws, r, _V * h, nj)
                             r += 1
         _tail_tree(packed, scale, xe, xo, acc, _GST, x0 + s0, ns, out, off + s0 * R, R, r0, nrb, gv_all[tid])
-
-
-@njit(cache=True, nogil=True)
-def _super_blocks(jobs, rb1, rb):
-    """``job_blocks`` for ``_mxfp4_grouped``: a job of more than _NTF tokens has one
-    block per (super tile of _GST tokens, row block), super tile major, so that the
-    threads work through one super tile's x at a time (a block that took all of a long
-    job's super tiles read the whole of x again, from L3 once it outgrew L2: half the
-    speed at 256 tokens)."""
-    G = jobs.shape[0]
-    starts = np.empty(G + 1, np.int64)
-    starts[0] = 0
-    for g in range(G):
-        T = jobs[g, J_X1] - jobs[g, J_X0]
-        b = rb1 if T == 1 else rb
-        n = (jobs[g, J_N] + b - 1) // b
-        starts[g + 1] = starts[g] + (n * ((T + _GST - 1) // _GST) if T > _NTF else n)
-    return starts
 
 
 # --------------------------------------------------------------------------- wrappers
