@@ -456,6 +456,6 @@ def test_scaled_table_is_e2m1_times_the_scale_for_every_byte():
         want32 = want.astype(np.float32)
     got = np.asarray(_SCALED_E2M1)
     assert got.shape == (256, 16) and got.dtype == np.float32
-    assert np.array_equal(np.abs(got), np.abs(want32))   # the signs of zeros aside
+    assert np.array_equal(got, want32)                  # signs too (== does not tell -0 from +0)
     assert np.isinf(got[254, [4, 5, 6, 7, 12, 13, 14, 15]]).all()
     assert (got[0, 1] == np.float32(2.0 ** -128)) and got[0, 1] > 0  # subnormal, exact
