@@ -11,10 +11,11 @@ compared bit for bit before any timing.
 Each rep: one warm call (the pool's threads awake), then ``--calls`` timed calls, the
 mean per call. MXFP4 cycles through ``--experts`` distinct random experts (scale bytes
 112..122, as in K3), one per rep, as a model's calls do; BF16 uses one matrix. Those
-weights are warm (the warm call has just read them). ``--cold``: MXFP4 only, a pool of
-experts at least twice the L3 the system reports (as bench_kernels.py), the warm call
-on one expert and every timed call on the next ones, so the timed calls read their
-weights from memory as a model's do.
+weights are warm (the warm call has just read them; a [12288, 7168] BF16 matrix, 176
+MB, is then partly in an L3 of 300 MiB). ``--cold``: a pool of experts or BF16 matrices
+at least twice the L3 the system reports (as bench_kernels.py), the warm call on one
+and every timed call on the next ones, so the timed calls read their weights from
+memory as a model's do (the trunk's BF16 matrices are streamed every token).
 
     git worktree add /tmp/k3-old <rev>
     python benchmarks/bench_kernels_ab.py /tmp/k3-old [--kernel mxfp4] [--tokens 8,16,64]
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--calls", type=int, default=3, help="timed calls per rep")
     ap.add_argument("--experts", type=int, default=4, help="MXFP4: distinct experts cycled")
-    ap.add_argument("--cold", action="store_true", help="MXFP4: timed calls on experts not in cache")
+    ap.add_argument("--cold", action="store_true", help="timed calls on weights not in cache (a pool of experts or matrices)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "kernels_ab.tsv"))
     args = ap.parse_args(argv)
@@ -78,12 +79,14 @@ def main(argv=None) -> int:
     flags = cpu_flags()
     print(f"this {codes['this']} against other {codes['other']} ({other.__file__}); {flags}", file=sys.stderr)
     g = torch.Generator().manual_seed(0)
-    if args.cold and args.kernel != "mxfp4":
-        ap.error("--cold is for --kernel mxfp4")
+    npool = 1
     if args.cold:
         from bench_kernels import l3_bytes  # noqa: E402
-        args.experts = max(args.experts, -(-2 * l3_bytes() // (R * C * 17 // 32)))
-        print(f"cold: a pool of {args.experts} experts", file=sys.stderr)
+        if args.kernel == "mxfp4":
+            args.experts = npool = max(args.experts, -(-2 * l3_bytes() // (R * C * 17 // 32)))
+        else:
+            npool = max(2, -(-2 * l3_bytes() // (R * C * 2)))
+        print(f"cold: a pool of {npool} {'experts' if args.kernel == 'mxfp4' else 'matrices'}", file=sys.stderr)
     if args.kernel == "mxfp4":
         ws = [(torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g),
                torch.randint(112, 123, (R, C // 32), dtype=torch.uint8, generator=g)) for _ in range(args.experts)]
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
         def call(q, x, w):
             return q.mxfp4_linear(x, *w)
     else:
-        ws = [(torch.randn(R, C, generator=g) * 0.05).to(torch.bfloat16)]
+        ws = [(torch.randn(R, C, generator=g) * 0.05).to(torch.bfloat16) for _ in range(npool)]
 
         def call(q, x, w):
             return q.bf16_linear(x, w)
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
                 res[t].append(s)
                 tsv.add(kernel=args.kernel, shape=shape, tokens=T, tree=t, code=codes[t], rep=rep, first=order[0],
                         threads=args.threads, ms=s * 1e3, gfma_s=T * R * C / s / 1e9, load=loadavg(), cpu=flags,
-                        weights=(f"cold, {len(ws)} experts" if args.cold else "warm"))
+                        weights=(f"cold, {len(ws)} {'experts' if args.kernel == 'mxfp4' else 'matrices'}"
+                                 if args.cold else "warm"))
         mo, mt = statistics.median(res["other"]), statistics.median(res["this"])
         fl = T * R * C / 1e9
         print(f"{args.kernel} {shape} T={T}: other {mo * 1e3:.2f} ms ({fl / mo:.0f} GFMA/s), this {mt * 1e3:.2f} ms "
