@@ -75,6 +75,8 @@ _RB1 = 32    # rows per prange iteration, T = 1
 _RB = 24     # weight rows per block (one prange iteration), T > 1 (a multiple of every _NR)
 _KC = 2048   # K-chunk (elements, multiple of LANES) of the T > 1 tiles
 _ST = 16     # tokens whose tiles take each K-chunk of a row block in turn, T > 1 (a multiple of every _NT)
+#: ``make_tile``'s prefetch distance given at run time (its last argument)
+PF_ARG = -2
 
 
 # =========================================================================== SIMD blocks
@@ -111,12 +113,13 @@ def _vstore(builder, val, base, elem_index):
     builder.store(val, p, align=4)
 
 
-def _prefetch(builder, ptr):
-    """llvm.prefetch(ptr, read, high locality, data)."""
+def _prefetch(builder, ptr, locality=3):
+    """llvm.prefetch(ptr, read, locality, data): 3 keeps the line in every level (L1),
+    2 in L2 and below."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(3), _I32(1)])
+    builder.call(fn, [builder.bitcast(ptr, i8p), _I32(0), _I32(locality), _I32(1)])
 
 
 def counted_loop(builder, n, inits: list, body, name: str) -> list:
@@ -314,6 +317,8 @@ def kernel_path() -> dict:
     pf = [f"{'one row' if n == 1 else f'{n} rows'} at a time prefetch{'es' if n == 1 else ''} "
           + (f"the next {n} rows" if d == NEXT_ROWS else f"{d * 2} bytes ahead")
           for n, d in ((_T1_NR, _T1_PF), (1, _T1_PF1)) if d]
+    if _TILE_NEXT:
+        pf.append("the T > 1 tiles prefetch the rows they read next")
     return {"isa": _ISA, "lanes": _V, "tile": f"{_NT}x{_NR}", "t1_rows": _T1_NR,
             "t1_rows_from_k": _T1_MANY_K if _T1_MANY_K < 1 << 62 else None,
             "vendor": cpu_vendor(), "vendor_tuning": pf}
@@ -332,11 +337,13 @@ def pair_split(v: int) -> list[int]:
     return [2 * v * q + 2 * i + p for q in range(LANES // (2 * v)) for p in range(2) for i in range(v)]
 
 
-def make_tile(max_nt, nr, streams, wkind, v, pf=0):
+def make_tile(max_nt, nr, streams, wkind, v, pf=0, pf_locality=3):
     """A numba intrinsic doing step 1 of the canonical order for a register tile of
     ``nt`` tokens (a run-time value, 1 .. max_nt) x ``nr`` weight rows::
 
         tile(nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride)
+
+    (``pf`` = PF_ARG: with a last argument ``pfo``, below)
 
     for t < nt, r < nr, s < streams, j < nj, lane l < 64 (in that order for each lane):
     ``acc[a0 + r*tb + t][l] = fma(x_s[xr + t, xoff + 64j + l], w_s[wr + r, woff + 64j + l], ...)``.
@@ -358,11 +365,29 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
     time (shift / mask of a 32-bit load), and x and acc are in the ``pair_split(v)``
     order (positions instead of lanes above; the caller permutes x once per call and
     the accumulators back before the tail and the tree). No bounds checks: the callers
-    guarantee the extents."""
+    guarantee the extents.
+
+    ``pf`` (bf16eo only; a hint, never faults): > 0, each step prefetches both cache lines
+    of the step ``pf`` elements ahead in every row (into the cache levels
+    ``pf_locality`` names, as llvm.prefetch); PF_ARG, ``pfo`` elements from each
+    row's step instead, a run-time value: the caller points it at the rows its next tile
+    reads (nr * K: the next rows' same columns), so that the weights stream in ahead of
+    the tiles, one step of every row at a time, however the caller walks them."""
     eo = wkind == "bf16eo"
     assert not eo or streams == 1
+    pf_arg = pf == PF_ARG
+
+    def typer_pfo(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride,
+                  pfo):
+        if not isinstance(pfo, types.Integer):
+            return None
+        return _typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride,
+                      (pfo,))
 
     def typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride):
+        return _typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride, ())
+
+    def _typer(typingctx, nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride, rest):
         if not (c_matrix(acc, F32_ONLY) and c_matrix(x0, F32_ONLY) and x1 == x0
                 and c_matrix(w0, W_DTYPES[wkind]) and w1 == w0):
             return None
@@ -370,12 +395,13 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
             return None
         if not all(isinstance(t, types.Integer) for t in (nt, a0, tb, xr, xoff, wr, woff, nj, mode, obase, ostride)):
             return None
-        sig = types.void(nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride)
+        sig = types.void(nt, acc, a0, tb, x0, x1, xr, xoff, w0, w1, wr, woff, nj, mode, out, obase, ostride, *rest)
 
         def codegen(context, builder, sig, args):
             iv = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
                   for a, t in zip(args, sig.args)]
-            nt_v, acc_v, a0, tb, x0_v, x1_v, xr, xoff, w0_v, w1_v, wr, woff, nj, mode, out_v, obase, ostride = iv
+            nt_v, acc_v, a0, tb, x0_v, x1_v, xr, xoff, w0_v, w1_v, wr, woff, nj, mode, out_v, obase, ostride = iv[:17]
+            ahead = iv[17] if pf_arg else _I64(pf)
             first = builder.icmp_unsigned("!=", builder.and_(mode, _I64(1)), _I64(0))
             finish = builder.icmp_unsigned("!=", builder.and_(mode, _I64(2)), _I64(0))
             outp = _data_ptr(context, builder, sig.args[14], out_v)
@@ -407,9 +433,10 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
                         if eo:   # [r][half]: even elements by shift, odd by mask
                             wv = []
                             for row in wp:
-                                if pf and gi == 0:   # pf elements ahead in the row: both lines of a step
+                                if pf and gi == 0:   # both lines of the step `ahead` elements on
                                     for h in (0, LANES // 2):
-                                        _prefetch(builder, builder.gep(row[0], [builder.add(off, _I64(pf + h))]))
+                                        _prefetch(builder, builder.gep(row[0], [builder.add(off, builder.add(ahead, _I64(h)))]),
+                                                  locality=pf_locality)
                                 p = builder.bitcast(builder.gep(row[0], [off], inbounds=True), vi32.as_pointer())
                                 u = builder.load(p, align=2, typ=vi32)
                                 wv.append([builder.bitcast(builder.shl(u, ir.Constant(vi32, [16] * v)), ir.VectorType(_F32, v)),
@@ -447,7 +474,12 @@ def make_tile(max_nt, nr, streams, wkind, v, pf=0):
 
         return sig, codegen
 
-    typer.__name__ = f"tile{max_nt}x{nr}_s{streams}_{wkind}_v{v}"
+    name = (f"tile{max_nt}x{nr}_s{streams}_{wkind}_v{v}" + ("_pfarg" if pf_arg else f"_pf{pf}" if pf else "")
+            + (f"_l{pf_locality}" if pf else ""))
+    if pf_arg:
+        typer_pfo.__name__ = name
+        return intrinsic(typer_pfo)
+    typer.__name__ = name
     return intrinsic(typer)
 
 
@@ -622,12 +654,20 @@ _ISA = kernel_isa()
 _NT, _NR = {"avx512": (4, 3), "avx2": (2, 2), "generic": (2, 1)}[_ISA]
 _V = VECTOR_LANES[_ISA]
 PAIR_SPLIT = pair_split(_V)
-#: how far ahead (elements) the T > 1 tiles prefetch the weight rows they read: on AVX-512
-#: (Zen 4) a short distance in the same row beat prefetching the next K-chunk (whose first
-#: chunk then had none) by 4-16 % at T = 4 (docs/PERFORMANCE.md); AVX2 keeps the chunk
+#: how far ahead (elements) the T > 1 tiles prefetch the weight rows they read, passed
+#: at run time (``_bf16_grouped``). On Intel (_TILE_NEXT) the weights the thread reads
+#: next: the next rows' same columns, the block's next K-chunk, the next block. A fixed
+#: distance in the same row left the start of every row's chunk (4 KiB, in a page of its
+#: own: Intel's hardware streamer stops at each page) unfetched, and the next K-chunk
+#: (AVX2's distance) the first chunk: docs/PERFORMANCE.md. Elsewhere the fixed
+#: distances: on AVX-512 (Zen 4) a short one in the same row beat the next K-chunk by
+#: 4-16 % at T = 4; AVX2 the chunk.
+_TILE_NEXT = cpu_vendor() == "intel"
 _TILE_PF = {"avx512": 256}.get(_ISA, _KC)
-_tile_eo = make_tile(_NT, _NR, 1, "bf16eo", _V, pf=_TILE_PF)
-_tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=_TILE_PF)     # a block's last rows
+#: the next rows are read after the tile's whole chunk: into L2 (the chunk of x stays in L1)
+_TILE_LOC = 2 if _TILE_NEXT else 3
+_tile_eo = make_tile(_NT, _NR, 1, "bf16eo", _V, pf=PF_ARG, pf_locality=_TILE_LOC)
+_tile1_eo = make_tile(_NT, 1, 1, "bf16eo", _V, pf=PF_ARG, pf_locality=_TILE_LOC)     # a block's last rows
 _unpermute = make_unpermute(PAIR_SPLIT)
 
 
@@ -963,12 +1003,27 @@ def _bf16_grouped(x, xs, jobs, out, rb1, rb, kc, nth):
                     a0 = t0 - T0
                     r = 0
                     while r < nrb:
-                        if r + _NR <= nrb:
-                            _tile_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
-                            r += _NR
+                        nr = _NR if r + _NR <= nrb else 1
+                        # prefetch what this thread reads next: the next rows' same
+                        # columns, then the block's first rows' next chunk, then the
+                        # next block (its next prange item), else nothing
+                        if not _TILE_NEXT:
+                            pfo = _TILE_PF
+                        elif r + nr < nrb:
+                            pfo = nr * K
+                        elif c0 + kc < km:
+                            pfo = -r * K + kc
+                        elif r0 + rb < N:
+                            pfo = (rb - r) * K - c0
                         else:
-                            _tile1_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N)
-                            r += 1
+                            pfo = 0
+                        if nr == _NR:
+                            _tile_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N,
+                                     pfo)
+                        else:
+                            _tile1_eo(nt, acc, a0 + r * _ST, _ST, xs, xs, xt, c0, w, w, r0 + r, c0, njc, mode, out, ob + r, N,
+                                      pfo)
+                        r += nr
             if km < K:                                    # the tail, then the tree
                 for t in range(ntt):
                     xt = x0 + T0 + t
