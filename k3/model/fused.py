@@ -352,7 +352,7 @@ def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal,
     # out[g*og + i*ostride + j] = dot(x[xr0 + g*xrg + i, xo0 + g*xog + k], w[wr0 + g*wrg + j, wo0 + g*wog + k])
     # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order);
     # causal: row i only needs j <= lim + i (later j are left as they are)
-    acc_all = np.empty((nth, _NTA * _NRA, LANES), np.float32)
+    acc_all = empty64(nth * _NTA * _NRA * LANES).reshape((nth, _NTA * _NRA, LANES))   # a thread's rows own their lines
     for b in prange(G * ((M + _NTA - 1) // _NTA)):
         _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride,
                     acc_all[get_thread_id()])

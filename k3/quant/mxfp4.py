@@ -976,8 +976,10 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
     nj = P // LANES
     pm = nj * LANES
     starts = job_blocks(jobs, rb1, rb, _NTF, _GST)
-    gv_all = np.empty((nth, 3, LANES), np.float32)       # per-thread scratch, allocated once
-    wok = np.zeros((nth, rb), np.int64)
+    # per-thread scratch, allocated once; no cache line holds two threads' rows (their
+    # writes every block made the line bounce between the cores: docs/PERFORMANCE.md)
+    gv_all = empty64(nth * 3 * LANES).reshape((nth, 3, LANES))
+    wok = np.zeros((nth, (rb + 7) // 8 * 8 + 8), np.int64)
     ws_all = empty64(nth * rb * nj * 32).reshape((nth, rb, nj * 32))   # one scale group of rb rows
     acc_all = empty64(nth * rb * max(_GST, _NTF) * LANES).reshape((nth, rb * max(_GST, _NTF), LANES))
     for b in prange(starts[-1]):
