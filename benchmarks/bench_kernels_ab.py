@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             order = ("other", "this") if rep % 2 == 0 else ("this", "other")
             w = ws[rep % len(ws)]
             for t in order:
-                if args.cold:   # the next calls + 1 experts of the pool, in turn
+                if args.cold:   # the pool's next calls + 1 experts or matrices, in turn
                     cw = [ws[(nxt + i) % len(ws)] for i in range(args.calls + 1)]
                     nxt += args.calls + 1
                 else:
