@@ -316,3 +316,48 @@ def test_sequences_decoded_together_each_hold_their_recurrent_state_and_rollback
     assert one["recurrent state"] == planner.recurrent_state_bytes(cfg) > 0
     assert eight["recurrent state"] == 8 * one["recurrent state"]
     assert eight["speculation"] == 8 * one["speculation"] > 0
+
+
+def _fits(cfg, sizes, avail, **budgets) -> bool:
+    try:
+        planner.plan(cfg, sizes, Budgets(**budgets), tokens=TOKENS, incremental=False, available=avail,
+                     baseline=BASE).check()
+        return True
+    except K3Error:
+        return False
+
+
+def test_ultra_is_never_refused_where_auto_fits(cfg):
+    """The issue's case: a 10 GB realdims checkpoint (4 K3 layers, 32 experts) with a
+    packed trunk in a 4 GiB cap. ultra's budgets (2.5 GB trunk, 0.31 GB cache) are
+    ceilings that shrink, as auto sizes them, to what fits: where any plan fits ultra
+    does, it streams the tables, and it never plans more than its ceilings."""
+    small = ModelSizes(layer_bytes=(L,) * 4, table_bytes=TABLES, head_bytes=HEAD, slot_bytes=S, expert_bytes=E,
+                       moe_layers=3, experts=32, top_k=TOPK)
+    avail = 4 * 1024**3 - 12 * 1024**2  # 4.02 GB available, as in the issue
+    old_ultra = dict(trunk=TRUNK_DIR, trunk_gb=2.5, cache_gb=0.31, ultra_low_memory=True)  # the fixed budgets
+    assert not _fits(cfg, small, avail, **old_ultra)
+    assert _fits(cfg, small, avail, trunk=TRUNK_DIR)
+    p = planner.plan(cfg, small, Budgets(preset="ultra", trunk=TRUNK_DIR), tokens=TOKENS, incremental=False,
+                     available=avail, baseline=BASE)
+    p.check()
+    assert p.stream_tables and p.trunk.used_bytes <= 2.5e9 and p.cache_slots * S <= max(0.31e9, FLOOR)
+    assert any(n.startswith("ultra: ") and "ceilings" in n for n in p.notes)
+    # with plenty of memory ultra stays at its ceilings (~3 GB), well below auto's plan
+    big = planner.plan(cfg, small, Budgets(preset="ultra", trunk=TRUNK_DIR), tokens=TOKENS, incremental=False,
+                       available=64 * 10**9, baseline=BASE)
+    assert big.trunk.used_bytes <= 2.5e9 and big.cache_slots * S <= 0.31e9
+    assert big.total < make_plan(cfg, 64 * 10**9, trunk=TRUNK_DIR).total
+    # over a sweep of caps, both with a packed trunk and with the trunk held in RAM
+    for trunk in (TRUNK_DIR, None):
+        for mib in range(1500, 14000, 250):
+            a = mib * 1024**2
+            if _fits(cfg, small, a, trunk=trunk):
+                assert _fits(cfg, small, a, preset="ultra", trunk=trunk), (trunk, mib)
+
+
+def test_streamed_tables_never_plan_more_than_the_tables():
+    tiny = ModelSizes(layer_bytes=(10**6,) * 2, table_bytes=3 * 10**6, head_bytes=10**6, slot_bytes=4096,
+                      expert_bytes=4000, moe_layers=1, experts=16, top_k=4)
+    assert planner.stream_table_bytes(tiny) == 3 * 10**6
+    assert planner.stream_table_bytes(SIZES) == planner.TABLE_STREAM_BYTES

@@ -51,7 +51,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("workstation", 60.0, 30.0, "95.5 GB peak RSS with K3; the expert cache starts to matter"),
     Preset("server", 110.0, 13.0, "~128 GB with K3; 90/93 trunk layers pinned, fastest"),
     Preset("max", 110.0, 109.0, "~224 GB with K3"),
-    Preset("ultra", 2.5, 0.31, "~3 GB planned: streamed model tables, one state slot. Slow."),
+    Preset("ultra", 2.5, 0.31, "at most ~3 GB planned, less where less fits: streamed model tables. Slow."),
 )}
 PRESET_NAMES = tuple(PRESETS) + ("auto",)
 
@@ -122,6 +122,12 @@ class Budgets:
         if self.ultra_low_memory or self.preset == "ultra":
             return True
         return None if self.preset == "auto" else False
+
+
+def stream_table_bytes(sizes: "ModelSizes") -> int:
+    """What streamed model tables hold: one lm_head chunk buffer and the embedding rows,
+    never more than the tables themselves (a small model's lm_head is one chunk)."""
+    return min(TABLE_STREAM_BYTES, sizes.table_bytes)
 
 
 # ====================================================================== model-derived sizes
@@ -569,11 +575,26 @@ def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: in
     return rows
 
 
+#: presets whose budgets are ceilings that the plan shrinks to what fits, as auto sizes
+#: them, instead of fixed sizes: ultra, the smallest plan, is never refused where some
+#: plan fits
+CEILING_PRESETS = ("ultra",)
+
+
+def _ceilings(budgets: Budgets) -> tuple[int | None, int | None]:
+    """(trunk, cache) ceilings of a ceiling preset (each None where a flag fixed it)."""
+    if budgets.preset not in CEILING_PRESETS:
+        return None, None
+    p = PRESETS[budgets.preset]
+    return (int(p.trunk_gb * GB) if budgets.trunk_gb is None else None,
+            int(p.cache_gb * GB) if budgets.cache_gb is None else None)
+
+
 def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
     """(preset name applied, trunk bytes or None for 'the plan decides', cache bytes or None)."""
     trunk = cache = None
     preset = budgets.preset
-    if preset != "auto":
+    if preset != "auto" and preset not in CEILING_PRESETS:
         p = PRESETS[preset]
         trunk, cache = int(p.trunk_gb * GB), int(p.cache_gb * GB)
     if budgets.trunk_gb not in (None, "auto"):
@@ -603,8 +624,10 @@ def trunk_room(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int, base
     fixed = sum(b for _, b, _ in rows) - per_layer + per_layer // share
     if cache is None:
         cache = (sizes.top_k + 1) * sizes.slot_bytes
-    t = (TABLE_STREAM_BYTES if budgets.stream_tables else sizes.table_bytes) if tables else 0
-    return max(1, int(PLAN_FRACTION * available) - fixed - t - cache)
+    t = (stream_table_bytes(sizes) if budgets.stream_tables else sizes.table_bytes) if tables else 0
+    t_cap, c_cap = _ceilings(budgets)
+    room = max(1, int(PLAN_FRACTION * available) - fixed - t - cache)
+    return room if t_cap is None else min(room, t_cap)
 
 
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
@@ -622,12 +645,15 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     n_layers = layer_ids(cfg, n_layers)
     streaming = budgets.trunk is not None
     preset, trunk_req, cache_req = _explicit(budgets)
+    trunk_cap, cache_cap = _ceilings(budgets)
     fixed = _fixed_rows(cfg, n_layers, tokens, incremental, baseline, available, prefill_tokens, spec, kv_latent,
                         sequences)
     room = int(PLAN_FRACTION * available) - sum(r[1] for r in fixed)
     table_choices = [budgets.stream_tables] if budgets.stream_tables is not None else [False, True]
     floor_cache = (sizes.top_k + 1) * sizes.slot_bytes
     max_cache = max(sizes.routed_experts, sizes.top_k + 1) * sizes.slot_bytes
+    if cache_cap is not None:
+        max_cache = max(floor_cache, min(max_cache, cache_cap))
     notes = []
     if not streaming and budgets.trunk_gb not in (None, "auto"):
         notes.append("note: --trunk-gb has no effect without --trunk (the trunk is held in RAM)")
@@ -637,7 +663,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
 
     candidates = []  # (bytes/token, -trunk budget, stream_tables, trunk budget, cache budget, TrunkPlan)
     for stream_tables in table_choices:
-        tables = TABLE_STREAM_BYTES if stream_tables else sizes.table_bytes
+        tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
         left = room - tables
         if not streaming:
             trunk_sizes = [None]
@@ -646,6 +672,8 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         else:
             cache_part = cache_req if cache_req is not None else floor_cache
             top = min(left - cache_part, sum(align_up(x) for x in sizes.layer_bytes))
+            if trunk_cap is not None:
+                top = min(top, max(trunk_cap, min_budget_for(list(sizes.layer_bytes), 1, pin_order)))
             one_slot = min_budget_for(list(sizes.layer_bytes), 1, pin_order)
             trunk_sizes = sorted({t for t in (top, min_budget_for(list(sizes.layer_bytes), 2, pin_order),
                                               one_slot) if one_slot <= t <= top})
@@ -674,7 +702,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         # Nothing fits (or nothing was left to choose): build the plan that was asked for,
         # so that check() refuses it with every row shown.
         stream_tables = table_choices[-1] if budgets.stream_tables is None else budgets.stream_tables
-        tables = TABLE_STREAM_BYTES if stream_tables else sizes.table_bytes
+        tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
         if streaming:
             t = trunk_req if trunk_req is not None else max(
                 min_budget_for(list(sizes.layer_bytes), 1, pin_order), room - tables - floor_cache)
@@ -696,14 +724,15 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     else:
         rows.append(("trunk (resident)", sizes.trunk_bytes, "every layer held in RAM, as stored"))
     if stream_tables:
-        rows.append(("embed + lm_head", TABLE_STREAM_BYTES, "streamed: one chunk buffer + the embedding rows"))
+        rows.append(("embed + lm_head", stream_table_bytes(sizes), "streamed: one chunk buffer + the embedding rows"))
     else:
         rows.append(("embed + lm_head", sizes.table_bytes, "resident, as stored"))
     rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
     rows += fixed
     p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes,
              kv_positions=tokens, kv_per_position=kv_bytes_per_position(cfg, n_layers, kv_latent))
-    if preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom"):
+    if (preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom")
+            or (preset in CEILING_PRESETS and candidates)):
         why = []
         if budgets.stream_tables is None:
             why.append("model tables " + ("STREAMED: the memory they free pins more of the trunk than lm_head "
@@ -712,6 +741,8 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         if tp is not None:
             why.append(f"trunk {human(tp.used_bytes)} ({len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned)")
         why.append(f"expert cache {human(slots * sizes.slot_bytes)} ({slots} slots)")
-        p.notes.append(f"auto: {'; '.join(why)}: the fewest bytes read per token (~{human(cost)}) of the "
-                       f"{len(candidates)} plans that fit.")
+        within = (f" within the {preset} preset's ceilings ({gb(trunk_cap or 0)} GB trunk, "
+                  f"{gb(cache_cap or 0)} GB expert cache)" if preset in CEILING_PRESETS else "")
+        p.notes.append(f"{'auto' if preset not in CEILING_PRESETS else preset}: {'; '.join(why)}: the fewest bytes "
+                       f"read per token (~{human(cost)}) of the {len(candidates)} plans that fit{within}.")
     return p

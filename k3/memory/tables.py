@@ -37,7 +37,7 @@ class StreamedRows:
         self.reader = reader
         self.shape = tuple(info.shape)
         self.row_bytes = info.nbytes // self.shape[0]
-        self.rows_per_chunk = max(1, chunk_bytes // self.row_bytes)
+        self.rows_per_chunk = min(self.shape[0], max(1, chunk_bytes // self.row_bytes))
         self.dtype = TORCH_DTYPES[info.dtype]
         self._buf = torch.empty(self.rows_per_chunk * self.row_bytes, dtype=torch.uint8)
         self.bytes_read = 0
