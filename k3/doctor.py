@@ -19,6 +19,7 @@ import platform
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,6 +327,17 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
             lines.append(f"per token: trunk {human(facts.trunk_bytes)} + routed experts "
                          f"{human(facts.expert_bytes_per_token)} ({sizes.moe_layers} MoE layers x top-{sizes.top_k} x "
                          f"{human(sizes.expert_bytes)}); model tables {human(facts.table_bytes)}")
+            from .checkpoint import zeros
+            t0 = time.perf_counter()
+            sel = zeros.doctor_selection(layout.index)
+            found = zeros.scan(sel)
+            rep.data["zero_weights"] = [{"tensor": f.tensor, "shard": f.shard, "offsets": f.offsets,
+                                         "all_samples": f.whole} for f in found]
+            lines.append(f"weights read as zeros: {len(found) or 'none'} of {len(sel)} sampled "
+                         f"({zeros.SAMPLES} aligned 4 KiB blocks each, {time.perf_counter() - t0:.1f} s)")
+            if found:
+                rep.warnings.append(zeros.describe(found, model) + " `k3 run` refuses this checkpoint (exit 3) "
+                                    "unless given --allow-zero-weights.")
     # tokenizer and chat format
     try:
         from .tokenizer import Tokenizer
