@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import env
+from . import env, warmup
 from .config import ModelConfig, load_config
 from .errors import K3Error, NumericError, UsageError
 from .memory import planner, sysmem
@@ -167,29 +167,18 @@ def pass_threads(tokens: int):
         torch.set_num_threads(n)
 
 
-def warm_kernels() -> None:
-    """Run each numba kernel once on tiny inputs (loads it from the cache, or compiles it
-    on a fresh install): their code then counts in the RSS the plan measures, and the
-    first decode step compiles nothing. Decode's one-token kernels and the fused ops'
-    serial twins are run both ways (their work limits at 0, then as they are)."""
-    from .model import fused
-    from .quant import bf16, bf16_linear, mxfp4, mxfp4_linear
-    w = torch.zeros(2, 64, dtype=torch.bfloat16)
-    p, sc = torch.zeros(2, 32, dtype=torch.uint8), torch.full((2, 2), 127, dtype=torch.uint8)
-    limits = [(bf16, "_T1_SERIAL_WORK"), (mxfp4, "_T1_SERIAL_WORK"), (fused, "_SERIAL")]
-    kept = [getattr(m, n) for m, n in limits]
-    try:
-        for parallel in (True, False):
-            for (m, n), v in zip(limits, kept):
-                setattr(m, n, 0 if parallel else v)
-            for t in (1, 3):
-                x = torch.zeros(t, 64)
-                bf16_linear(x, w)
-                mxfp4_linear(x, p, sc)
-            fused.warm()
-    finally:
-        for (m, n), v in zip(limits, kept):
-            setattr(m, n, v)
+def _zero_weights(layout, model_dir, allow: bool, say) -> None:
+    """Sample the run's weights for zeros (k3.checkpoint.zeros): refuse, or with
+    ``allow`` say so and go on."""
+    from .checkpoint import zeros
+    t0 = time.perf_counter()
+    sel = zeros.load_selection(layout)
+    found = zeros.scan(sel)
+    say(f"zero-weight check: {len(sel)} weights sampled in {1000 * (time.perf_counter() - t0):.0f} ms")
+    if found and allow:
+        say("note: --allow-zero-weights: " + zeros.describe(found, model_dir))
+    elif found:
+        zeros.refuse(found, model_dir)
 
 
 def _test_faults() -> dict:
@@ -228,6 +217,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # tokens of a prompt one forward pass reads
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
         self.pipeline = None  # this process's k3.pipeline.Stage when it is one rank of several
+        self.kernels = None  # what k3.warmup.ensure did at load (the jobs, which compiled, how long)
 
     # ------------------------------------------------------------ conveniences
     @property
@@ -616,7 +606,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
          budgets: Budgets | None = None, layers: int | None = None, threads: int | None = None, config=None,
          max_context: int = DEFAULT_MAX_CONTEXT, max_batch: int = 1, kv_cache: bool = True, trace: bool = False,
          kda_chunked: bool | None = None, spec: int = 0, kv: str = "latent", prefill_chunk: int | None = None,
-         stage_gb: float | None = None, pipeline_timeout: float | None = None, log=None, progress=None) -> Engine:
+         stage_gb: float | None = None, pipeline_timeout: float | None = None, log=None, progress=None,
+         notice=None, compile_progress=None, allow_zero_weights: bool = False) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
     Budgets: ``preset`` (a preset name or ``auto``), ``trunk`` (a packed-trunk folder
@@ -629,6 +620,10 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     "expanded" (per head, 53x more; see k3.model.mla). ``prefill_chunk``: the tokens of
     a prompt one forward pass reads (a multiple of 16; the plan sizes the activations for
     it). ``stage_gb``: the memory this process may plan in (at most what is available).
+    ``notice`` receives what must be shown at once (the kernels compiling, on a first
+    run: default ``log``), ``compile_progress(done, total, label, seconds)`` each group
+    of kernels compiled. Weights that read as zeros (an unfinished download,
+    k3.checkpoint.zeros) are refused (exit 3) unless ``allow_zero_weights``.
     Launched by torchrun as one of several processes, the model is split over them
     (k3.pipeline; ``pipeline_timeout`` seconds bound every wait for another rank): rank
     0 returns the engine to use, every other rank one whose :meth:`Engine.serve_stage`
@@ -669,30 +664,41 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     layout = CheckpointLayout.open(cfg, model_dir, layers, validate=launch is None)
     say(f"indexed {len(layout.index)} tensors from {len(layout.index.shards())} shards in "
         f"{time.perf_counter() - t0:.2f} s")
+    if launch is None:
+        _zero_weights(layout, model_dir, allow_zero_weights, say)
     packed = None
     if budgets.trunk is not None:
         from .memory.trunk import PackedTrunk
         packed = PackedTrunk.open(budgets.trunk, cfg, layout.index)
-    from .quant import kcache
-    cold = kcache.compiling()
-    if cold:
-        say(f"note: compiling k3's kernels for this CPU (the first run after an install or upgrade: about a "
-            f"minute on two cores); cached in {cold}")
-    warm_kernels()  # the compiled kernels then count in the footprint the plan measures
-    kcache.compiled()
     if int(max_batch) < 1:
         raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
     if kv not in ("latent", "expanded"):
         raise UsageError(f"--kv is latent or expanded, got {kv!r}.")
     prefill_chunk = check_prefill_chunk(PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
-    available = sysmem.meminfo()["MemAvailable"]
-    if budgets.stage_gb is not None:
-        available = min(available, int(float(budgets.stage_gb) * 1e9))
     shape = dict(tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                  prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec, kv_latent=kv == "latent",
                  sequences=int(max_batch))
     if pipeline_timeout is not None and not (isinstance(pipeline_timeout, (int, float)) and 0 < pipeline_timeout < 1e7):
         raise UsageError(f"--pipeline-timeout must be a number of seconds > 0, got {pipeline_timeout}.")
+
+    def measured_available() -> int:
+        a = sysmem.meminfo()["MemAvailable"]
+        return a if budgets.stage_gb is None else min(a, int(float(budgets.stage_gb) * 1e9))
+
+    # The memory floor, before anything that could reach it is loaded or compiled: the
+    # plan with the kernels' footprint estimated (the interpreter and libraries are
+    # measured) must fit, or the run is refused now rather than killed while compiling.
+    available = measured_available()
+    floor = sysmem.baseline_bytes() + warmup.KERNELS_BYTES
+    if launch is None:
+        planner.plan(cfg, model_sizes(layout, packed), budgets, available=available, baseline=floor,
+                     n_layers=layout.layer_ids, pin_order=env.pin_order(), **shape).check()
+    elif available and floor > planner.PLAN_FRACTION * available:
+        raise K3Error(f"REFUSING TO START: the interpreter, its libraries and k3's kernels need about {human(floor)} "
+                      f"and the machine has {human(available)} available.")
+    kernels = warmup.ensure(warmup.jobs_for(cfg, layout.layer_ids), available=available,
+                            notice=notice or say, progress=compile_progress)
+    available = measured_available()  # the compiled kernels now count in the footprint the plan measures
     baseline = sysmem.baseline_bytes()
     stage = None
     if launch is not None:
@@ -704,6 +710,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                                    "incremental": bool(kv_cache), "kda_chunked": kda_chunked})
         layout = CheckpointLayout(cfg, layout.index, stage.layers.stop, stage.layers.start)
         layout.validate()
+        _zero_weights(layout, model_dir, allow_zero_weights, say)
     try:
         sizes = model_sizes(layout, packed, tables=stage is None or stage.rank == 0)
         plan = planner.plan(cfg, sizes, budgets, available=available, baseline=baseline,
@@ -750,6 +757,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                      load_seconds=time.perf_counter() - t0, spec=spec, max_batch=int(max_batch),
                      prefill_chunk=prefill_chunk)
         eng.tokenizer_error = tok_error
+        eng.kernels = kernels
         if stage is not None:
             eng.pipeline = stage
             if stage.rank == 0:

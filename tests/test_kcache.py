@@ -44,14 +44,17 @@ from numba.core import config
 from k3.quant import kcache
 print(json.dumps({"paths": [b._bf16_t1._cache._cache_path, m._mxfp4_t1._cache._cache_path,
                             f._weighted_sum._cache._cache_path, v.vexp._cache._cache_path],
-                  "folder": str(kcache.folder()), "after": config.CACHE_DIR, "compiling": kcache.compiling()}))
+                  "folder": str(kcache.folder()), "after": config.CACHE_DIR,
+                  "missing": kcache.missing(sys.argv[1:]), "where": kcache.where()}))
+for job in sys.argv[1:]:
+    kcache.mark(job)
 """
 
 
-def _probe(tmp_path, **env):
+def _probe(tmp_path, *jobs, **env):
     e = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     e.update(K3_CACHE=str(tmp_path / "k3cache"), **env)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=e, capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", _PROBE, *jobs], env=e, capture_output=True, text=True, cwd=ROOT,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -70,24 +73,12 @@ def test_an_explicit_numba_cache_dir_wins(tmp_path):
     assert all(p.startswith(str(mine)) for p in r["paths"]), r
 
 
-def test_a_first_run_knows_it_compiles_and_the_next_does_not(tmp_path):
-    """An empty kernel folder is seen as such when the kernels are imported (k3.load then
-    says that they compile, a minute's silence otherwise); once a process has cached
-    kernels there, the next one does not say it."""
-    first = _probe(tmp_path)
-    assert first["compiling"] == first["folder"]
-    assert _probe(tmp_path)["compiling"] is None
-
-
-def test_load_says_when_the_kernels_compile(monkeypatch, tmp_path):
-    from engines import open_engine
-    from k3.synth import synthesize
-    model = synthesize(tmp_path / "m", preset="tiny", arch="k3", seed=9)
-    said = []
-    monkeypatch.setattr(kcache, "_COLD", True)
-    monkeypatch.setattr(kcache, "_DIR", "/somewhere/numba/0123")
-    open_engine(model, log=said.append).close()
-    assert any(m.startswith("note: compiling k3's kernels") and "/somewhere/numba/0123" in m for m in said)
-    said.clear()
-    open_engine(model, log=said.append).close()        # the same process, a second load: compiled
-    assert not any("compiling" in m for m in said)
+def test_a_first_run_knows_what_it_compiles_and_the_next_does_not(tmp_path):
+    """A kernel folder without the markers of a group's finished warm-up is seen as such
+    before anything compiles (k3.load then says that they compile, minutes of silence
+    otherwise); once a process has marked a group, the next one finds it. Under the
+    user's own NUMBA_CACHE_DIR k3 cannot tell, and claims nothing."""
+    first = _probe(tmp_path, "matmul", "kda")
+    assert first["missing"] == ["matmul", "kda"] and first["where"] == first["folder"]
+    assert _probe(tmp_path, "matmul", "kda", "mla_region")["missing"] == ["mla_region"]
+    assert _probe(tmp_path, "matmul", NUMBA_CACHE_DIR=str(tmp_path / "mine"))["missing"] == []

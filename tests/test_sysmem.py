@@ -235,10 +235,10 @@ needs_cgroup = pytest.mark.skipif(HIER is None, reason="needs root and a writabl
 
 
 @contextlib.contextmanager
-def parent_with_limit(limit: int):
+def parent_with_limit(limit: int, own: bool = False):
     """A fresh cgroup with a memory limit and a child without one; yields the command
-    prefix that runs a program in the child. Both are removed afterwards, whatever
-    happened."""
+    prefix that runs a program in the child (``own``: in the limited group itself).
+    Both are removed afterwards, whatever happened."""
     kind, mount = HIER
     parent = os.path.join(mount, f"k3sysmem{os.getpid()}")
     child = os.path.join(parent, "child")
@@ -253,7 +253,7 @@ def parent_with_limit(limit: int):
             Path(parent, "cgroup.subtree_control").write_text("+memory")  # the child gets memory.max ("max")
         os.mkdir(child)
         made.append(child)
-        yield ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh"]
+        yield ["sh", "-c", f'echo $$ > {parent if own else child}/cgroup.procs && exec "$@"', "sh"]
     finally:
         for d in reversed(made):  # a killed process may take a moment to leave the group
             for _ in range(50):
@@ -278,27 +278,34 @@ PROBE = "import json; from k3.memory import sysmem; print(json.dumps(sysmem.memi
 
 
 @needs_cgroup
-def test_real_parent_limit_250mib(tiny):
-    """The issue: 250 MiB on the parent, the process in an unlimited child. meminfo()
-    there sees at most 250 MiB, and `k3 run` is refused before it allocates instead of
-    being OOM-killed. The interpreter with torch alone needs more than 250 MiB (peak RSS
-    ~225 MB plus the plan's 300 MB margin), so at 250 MiB every model, even tiny, is
-    refused: what must not happen is the OOM kill."""
-    with parent_with_limit(250 * MiB) as inside:
+@pytest.mark.parametrize("own", [False, True], ids=["parent", "own"])
+def test_real_limit_250mib_refuses_before_the_kill(tiny, tmp_path, own):
+    """The issue: 250 MiB on the parent (the process in an unlimited child), or on the
+    process's own group. meminfo() there sees at most 250 MiB, and `k3 run` is refused
+    (exit 1, the plan with its shortfall) before it loads or compiles the kernels, which
+    would take it past the limit, instead of being OOM-killed. The interpreter with
+    torch alone needs more than 250 MiB (peak RSS ~430 MB plus the plan's 300 MB
+    margin), so at 250 MiB every model, even tiny, is refused. Both with the kernels
+    cached and with a cold kernel folder (a first run)."""
+    with parent_with_limit(250 * MiB, own=own) as inside:
         r = subprocess.run([*inside, sys.executable, "-c", PROBE], check=False, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         mi = json.loads(r.stdout)
-        print(f"\n{HIER[0]}: meminfo() in the child of a 250 MiB parent: {mi}")
+        print(f"\n{HIER[0]}: meminfo() in {'a 250 MiB group' if own else 'the child of a 250 MiB parent'}: {mi}")
         assert mi["CgroupLimit"] == 250 * MiB and mi["MemTotal"] == 250 * MiB
         assert 0 < mi["MemAvailable"] <= 250 * MiB
 
-        r = subprocess.run([*inside, sys.executable, "-m", "k3", "run", str(tiny), "--ids", "5,6", "--gen", "2"],
-                           check=False, capture_output=True, text=True, timeout=300)
-        print(r.stderr[-1500:])
-        assert r.returncode == 1, f"exit {r.returncode} (-9/137: OOM-killed)\n{r.stderr[-2000:]}"
-        assert "REFUSING TO START" in r.stderr and "shortfall" in r.stderr
-        assert "Traceback" not in r.stderr
+        for cache in (None, tmp_path / "cold"):
+            env = dict(os.environ, **({"K3_CACHE": str(cache)} if cache else {}))
+            r = subprocess.run([*inside, sys.executable, "-m", "k3", "run", str(tiny), "--ids", "5,6", "--gen", "2"],
+                               check=False, capture_output=True, text=True, timeout=300, env=env)
+            print(r.stderr[-1500:])
+            assert r.returncode == 1, f"exit {r.returncode} (-9/137: OOM-killed)\n{r.stderr[-2000:]}"
+            assert "REFUSING TO START" in r.stderr and "shortfall" in r.stderr
+            assert "interpreter + libs" in r.stderr  # the usual plan message, with its rows
+            assert "compiling" not in r.stderr
+            assert "Traceback" not in r.stderr
 
 
 @needs_cgroup
@@ -315,3 +322,28 @@ def test_real_parent_limit_that_fits_still_runs(tiny):
               f"peak RSS {res['peak_rss_bytes']}")
         assert 0 < res["memory_plan"]["available"] <= 1536 * MiB
         assert len(res["generated_ids"]) == 2
+
+
+@needs_cgroup
+def test_real_limit_ultra_runs_where_auto_runs(tiny, tmp_path):
+    """`--preset ultra` and `--preset auto` under the same cap (a packed trunk, as in the
+    issue): both run, ultra streaming the tables within its ceilings, and they give the
+    same greedy tokens."""
+    trunk = tmp_path / "trunk"
+    r = subprocess.run([sys.executable, "-m", "k3", "pack-trunk", str(tiny), str(trunk)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids = {}
+    with parent_with_limit(1280 * MiB, own=True) as inside:
+        for preset in ("auto", "ultra"):
+            out = tmp_path / f"{preset}.json"
+            r = subprocess.run([*inside, sys.executable, "-m", "k3", "run", str(tiny), "--ids", "5,6,7", "--gen", "4",
+                                "--greedy", "--trunk", str(trunk), "--preset", preset, "--out", str(out)],
+                               check=False, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, f"{preset}: exit {r.returncode}\n{r.stderr[-2000:]}"
+            res = json.loads(out.read_text())
+            assert res["memory_plan"]["available"] <= 1280 * MiB
+            ids[preset] = res["generated_ids"]
+            if preset == "ultra":
+                assert res["memory_plan"]["stream_tables"] and "ultra: " in r.stderr
+    assert ids["auto"] == ids["ultra"] and len(ids["auto"]) == 4

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, K3Error, UsageError
-from .common import (add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
+from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
                      check_model_dir, check_output_path, check_text, sampling_from_args, spec_corpus_from_args)
 
 HELP = "talk to the model (interactive, streaming, state kept between turns)"
@@ -272,9 +272,16 @@ def run(args) -> int:
                   "run. Output is NOT the full model.\n")
     t0 = time.perf_counter()
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
-    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config, max_context=args.max_context,
-               spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
-               log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "note:", "pipeline:")) else None))
+    report = CompileReport()
+    try:
+        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
+                   allow_zero_weights=args.allow_zero_weights,
+                   config=args.config, max_context=args.max_context, spec=args.spec, kv=args.kv,
+                   prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,
+                   log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "ultra:", "note:", "pipeline:"))
+                                                 else None))
+    finally:
+        report.close()
     if eng.pipeline is not None and eng.pipeline.rank:
         return eng.serve_stage()
     if not args.verbose:

@@ -101,6 +101,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(every head's keys and values, 53x more memory)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="prompt tokens one forward pass reads (a multiple of 16; default 256, see docs/TUNING.md)")
+    p.add_argument("--allow-zero-weights", action="store_true",
+                   help="run even when weights read as zeros (an unfinished download; refused by default, exit 3)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="print the whole memory plan, the load messages and (k3 run) a per-step table")
 
@@ -169,3 +171,73 @@ def spec_summary(steps, n: int) -> dict:
             "mean_accepted_run": accepted / with_drafts if with_drafts else 0.0,
             "tokens_per_pass": len(steps) / passes,
             "bytes_per_token": sum(s.bytes_read for s in steps) / len(steps) if steps else 0.0}
+
+
+# ---------------------------------------------------------------- kernels compiling
+class CompileReport:
+    """What a command shows while k3's kernels compile (a first run after an install or
+    an upgrade, k3.warmup): the notice at once, then a bar that ticks on a terminal, or
+    one line per stage otherwise. ``notice`` and ``progress`` go to k3.load; ``close``
+    after it returns or fails."""
+
+    def __init__(self, stream=None):
+        import threading
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = None
+        self.done, self.total, self.label = 0, 0, ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = None
+
+    def notice(self, msg: str = "") -> None:
+        with self._lock:
+            self._clear()
+            print(msg, file=self.stream, flush=True)
+        if msg.startswith("compiling k3's kernels") and self.t0 is None:
+            import threading
+            import time
+            self.t0 = time.perf_counter()
+            if self.tty:
+                self._ticker = threading.Thread(target=self._tick, daemon=True)
+                self._ticker.start()
+
+    def progress(self, done: int, total: int, label: str, seconds: float) -> None:
+        import time
+        self.done, self.total, self.label = done, total, label
+        if self.tty:
+            with self._lock:
+                self._draw()
+        elif done:
+            el = time.perf_counter() - (self.t0 or time.perf_counter())
+            print(f"  compiled {label} ({done}/{total} stages, {el:.0f} s)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._ticker = None
+        with self._lock:
+            self._clear()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._lock:
+                self._draw()
+
+    def _draw(self) -> None:
+        import time
+        width = 24
+        fill = int(width * self.done / max(self.total, 1))
+        el = time.perf_counter() - (self.t0 or time.perf_counter())
+        last = f", last: {self.label}" if self.label else ""
+        self.stream.write(f"\r  compiling [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total or '?'} stages "
+                          f"{el:.0f} s{last} ")
+        self.stream.flush()
+        self._shown = True
+
+    def _clear(self) -> None:
+        if getattr(self, "_shown", False):
+            self.stream.write("\r" + " " * 96 + "\r")
+            self.stream.flush()
+            self._shown = False

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, UsageError
-from .common import (add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
+from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
                      check_model_dir, check_output_path, check_text, err, sampling_from_args, spec_corpus_from_args,
                      spec_summary)
 
@@ -215,16 +215,22 @@ def run(args) -> int:
     def log(msg=""):
         if verbose:
             err(msg)
-        elif msg.startswith(("auto:", "note:", "ring held", "pipeline:")):
+        elif msg.startswith(("auto:", "ultra:", "note:", "ring held", "pipeline:")):
             notes.append(msg)
 
     if args.spec and not args.incremental:
         raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
                          "incremental decoding (drop --full-recompute).")
-    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
-               max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1, kv_cache=args.incremental,
-               trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk, log=log,
-               progress=lambda i: line.update("loading", i + 1, n_layers))
+    report = CompileReport()
+    try:
+        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
+                   allow_zero_weights=args.allow_zero_weights,
+                   config=args.config, max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1,
+                   kv_cache=args.incremental, trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv,
+                   prefill_chunk=args.prefill_chunk, log=log, progress=lambda i: line.update("loading", i + 1, n_layers),
+                   notice=report.notice, compile_progress=report.progress)
+    finally:
+        report.close()
     line.clear()
     if eng.pipeline is not None and eng.pipeline.rank:
         return eng.serve_stage()
@@ -471,10 +477,16 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}.")
     sampling = sampling_from_args(args, args.model)
     err(cfg.summary())
-    eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
-               max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs), max_batch=width,
-               kv_cache=args.incremental, spec=args.spec, kv=args.kv, prefill_chunk=args.prefill_chunk,
-               log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "note:", "pipeline:")) else None)
+    report = CompileReport()
+    try:
+        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
+                   allow_zero_weights=args.allow_zero_weights,
+                   config=args.config, max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs),
+                   max_batch=width, kv_cache=args.incremental, spec=args.spec, kv=args.kv,
+                   prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,
+                   log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "ultra:", "note:", "pipeline:")) else None)
+    finally:
+        report.close()
     if eng.pipeline is not None and eng.pipeline.rank:
         return eng.serve_stage()
     try:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
-from .common import (add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir, err,
+from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir, err,
                      sampling_from_args)
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (continuous batching)"
@@ -115,6 +115,7 @@ def run(args) -> int:
     if launch is not None and launch[0]:  # a pipeline rank other than 0: rank 0 serves HTTP, this one its layers
         set_threads(args.threads)
         return load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
+                    allow_zero_weights=args.allow_zero_weights,
                     config=args.config, max_context=args.max_context, max_batch=args.max_batch, **kw).serve_stage()
     cfg = load_config(args.config or args.model)
     if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
@@ -134,16 +135,23 @@ def run(args) -> int:
         if args.layers is not None:
             err(f"WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers run. "
                 "Output is NOT the full model.")
-        say = (lambda m="": err(m)) if args.verbose else (lambda m="": err(m) if m.startswith(("auto:", "note:",
+        say = (lambda m="": err(m)) if args.verbose else (lambda m="": err(m) if m.startswith(("auto:", "ultra:", "note:",
                                                                                              "pipeline:")) else None)
         metrics = Metrics()
         t0 = time.perf_counter()
-        sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout, config=args.config,
-                                       max_context=args.max_context, max_batch=args.max_batch, log=say, **kw),
+        report = CompileReport()
+        sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers,
+                                       allow_zero_weights=args.allow_zero_weights,
+                                       pipeline_timeout=args.pipeline_timeout, config=args.config,
+                                       max_context=args.max_context, max_batch=args.max_batch, log=say,
+                                       notice=report.notice, compile_progress=report.progress, **kw),
                           max_queue=args.max_queue, metrics=metrics, prefix_entries=args.prefix_cache,
                           threads=args.threads, log=err)
         try:
-            eng = sched.start()  # a plan that does not fit raises here, before anything is served
+            try:
+                eng = sched.start()  # a plan that does not fit raises here, before anything is served
+            finally:
+                report.close()
         except K3Error as e:
             if str(e).startswith("REFUSING"):  # the KV cache alone, or the whole plan: a refusal to start, exit 1
                 raise K3Error(f"{e}\nk3 serve: the memory plan covers --max-batch {args.max_batch} sequences of "

@@ -2629,68 +2629,6 @@ def mla_decode_layer(x, q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w, kb, vb, 
     return torch.from_numpy(y).view(1, -1)
 
 
-def warm() -> None:
-    """Run the parallel ops a decode step uses (attention's dots and prods, KDA's step)
-    once on tiny inputs of the types decode gives them, and the one-tile softmax that
-    only a decode step's single query row takes, so that a first decode step compiles
-    nothing (k3.engine.warm_kernels runs this with _SERIAL at 0, then as set)."""
-    scores_softmax(torch.zeros(8), torch.zeros(8), 0.125, 2, 4)
-    H, L = 2, 64
-    x = torch.zeros(1, H * L)
-    for w in (torch.zeros(8, L), torch.zeros(2 * L, L, dtype=torch.bfloat16)):
-        dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L), causal=3)
-        dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L))
-    p = torch.zeros(1, H * 8)
-    for w in (torch.zeros(H * 8, 2 * _CWN), torch.zeros(H * 8, 2 * _CWN, dtype=torch.bfloat16)):
-        prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0), causal=7)
-        prods(p, w, H, 1, 2 * _CWN, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
-    dk, dv = 8, 8
-    _warm_regions(H, dk, dv)
-    u, z = torch.zeros(1, H * dk), torch.zeros(1, H * dv)
-    xs, ws = [u, u, z], [torch.zeros(H * dk, 1, 4)] * 2 + [torch.zeros(H * dv, 1, 4)]
-    for ow in (torch.ones(dv), torch.ones(dv, dtype=torch.bfloat16)):
-        for lb in (None, -5.0):
-            for S0 in (None, torch.zeros(H, dk, dv)):
-                states = [None] * 3 if S0 is None else [torch.zeros(3, x.shape[1]) for x in xs]
-                kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk), H,
-                           lb, S0, torch.empty(H, dk, dv), ow, 1e-6, z)
-
-
-def _warm_regions(H: int, dk: int, dv: int) -> None:
-    """kda_decode_layer, moe_decode and mla_decode_layer on tiny weights of the kinds
-    decode gives them (bf16 matrices and norm gains; MXFP4 and BF16 experts; with a
-    latent norm and without; a region with a LayerEnd and without)."""
-    d, r, inter, G = 64, 8, 64, 2
-    mat = lambda n, k: torch.zeros(n, k, dtype=torch.bfloat16)  # noqa: E731
-    ws = [mat(n, d) for n in (H * dk, H * dk, H * dv, r, H, r)]
-    kda_decode_layer(torch.zeros(1, d), ws, mat(H * dk, r), mat(H * dv, r),
-                     [torch.zeros(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6, 0.5,
-                     torch.zeros(H), torch.zeros(H * dk), H, None, None, None, torch.ones(dv, dtype=torch.bfloat16),
-                     1e-6, mat(d, H * dv))
-    packed, scale = torch.zeros(inter, d // 2, dtype=torch.uint8), torch.full((inter, d // 32), 127, dtype=torch.uint8)
-    mx = expert_descriptors("mxfp4", [(packed, scale)] * 3 * G).reshape(G, 3, -1)
-    bf = expert_descriptors("bf16", [mat(inter, d)] * 3 * G).reshape(G, 3, -1)
-    shared = (torch.zeros(1, inter), torch.zeros(1, inter))
-    moe_decode(torch.zeros(1, d), mx, torch.zeros(1, G), torch.ones(d, dtype=torch.bfloat16), 1e-6, shared,
-               (4.0, 25.0), mat(d, d), mat(d, inter))
-    moe_decode(torch.zeros(1, d), bf, torch.zeros(1, G), None, 1e-6, shared, None, None, mat(d, inter))
-    # MLA's region, finished with K3's residual step, the router and the MoE block (a
-    # gated, q-LoRA layer: every argument type the region and LayerEnd.experts take)
-    nope = rope = vd = 8
-    qr, L, E = 16, 64, 8
-    end = mix_end([torch.zeros(1, d)], None, torch.ones(d), 1e-6, torch.ones(d, dtype=torch.bfloat16), 1e-6)
-    if end is not None:
-        end.route(d, [mat(E, d), mat(inter, d), mat(inter, d)], None, E, True, 1.0)
-        end.experts(expert_descriptors("bf16", [mat(inter, d)] * 3 * E).reshape(E, 3, -1), None, 1, None, 1e-6,
-                    None, None, mat(d, inter))
-    for e in (None, end):
-        mla_decode_layer(torch.zeros(1, d), mat(qr, d), torch.ones(qr, dtype=torch.bfloat16),
-                         mat(H * (nope + rope), qr), mat(L + rope, d), torch.ones(L, dtype=torch.bfloat16),
-                         mat(H * (nope + vd), L),
-                         mat(H * vd, d), mat(d, H * vd), np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32),
-                         0, H, nope, rope, vd, 1e-6, 0.25, e)
-
-
 def _exp_vector(a: torch.Tensor) -> np.ndarray:
     return torch.exp(a.reshape(-1).to(torch.float32)).numpy()
 

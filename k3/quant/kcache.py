@@ -10,7 +10,9 @@ fresh folder (~8 MB; old ones can be deleted at any time). Each kernel module ca
 ``enter()`` before its first ``@njit(cache=True)`` and ``leave()`` after its last, so
 other code's numba functions keep numba's own cache location. An explicit
 ``NUMBA_CACHE_DIR`` wins; where the folder cannot be written numba falls back to its
-usual places.
+usual places. k3.warmup leaves a marker in ``jobs/`` for each group of kernels it has
+compiled there (:func:`missing`, :func:`mark`), so a run knows before it starts whether
+it will compile, and what.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "quant/region.py", "model/f
 
 _PKG = Path(__file__).resolve().parent.parent
 _DIR: str | None = None
-#: whether the folder held no compiled kernel when this process first pointed numba at it
-_COLD = False
 
 
 def folder(sources: dict[str, bytes] | None = None, isa: str | None = None) -> Path:
@@ -47,13 +47,12 @@ def folder(sources: dict[str, bytes] | None = None, isa: str | None = None) -> P
 def enter() -> str | None:
     """Point numba's cache at ``folder()`` for the functions defined next; returns the
     setting to give ``leave`` (None: the user chose NUMBA_CACHE_DIR, left alone)."""
-    global _DIR, _COLD
+    global _DIR
     if os.environ.get("NUMBA_CACHE_DIR"):
         return None
     if _DIR is None:
         try:
             _DIR = str(folder())
-            _COLD = not any(Path(_DIR).glob("*/*.nbi"))
         except (OSError, RuntimeError):  # a source unreadable, no home folder: numba's usual places
             return None
     prev = config.CACHE_DIR
@@ -66,15 +65,36 @@ def leave(prev: str | None) -> None:
         config.CACHE_DIR = prev
 
 
-def compiling() -> str | None:
-    """The kernel folder when this process found it empty (a first run after an install
-    or an upgrade: the kernels compile now, about a minute on two cores) and has not
-    yet called ``compiled()``, else None (also under a NUMBA_CACHE_DIR of the user's,
-    which this module leaves alone)."""
-    return _DIR if _COLD else None
+def where() -> str | None:
+    """The kernel folder this process compiles into; None under a NUMBA_CACHE_DIR of the
+    user's (or where no folder could be named)."""
+    return _DIR
 
 
-def compiled() -> None:
-    """Every kernel has been run once (k3.engine.warm_kernels): they are in the folder."""
-    global _COLD
-    _COLD = False
+def _marker(job: str) -> Path | None:
+    if _DIR is None:
+        return None
+    import numba
+    return Path(_DIR) / "jobs" / f"{job}.numba-{numba.__version__}"
+
+
+def missing(jobs) -> list[str]:
+    """The warm-up jobs (k3.warmup.JOBS) whose kernels this folder does not hold yet: no
+    marker of a finished run of them. Empty under a NUMBA_CACHE_DIR of the user's (k3
+    cannot tell; the kernels compile where they are first used)."""
+    if _DIR is None:
+        return []
+    return [j for j in jobs if not _marker(j).is_file()]
+
+
+def mark(job: str) -> None:
+    """A warm-up job's kernels are all in the folder (best effort: an unwritable folder
+    only means the next run checks again)."""
+    m = _marker(job)
+    if m is None:
+        return
+    try:
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.touch()
+    except OSError:
+        pass
