@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from .checkpoint.safetensors import INDEX_NAME
-from .checkpoint.writer import write_safetensors
+from .checkpoint.writer import safetensors_layout
 from .config import ModelConfig, parse_config
 from .errors import UsageError
 from .fsutil import atomic_write
@@ -109,8 +109,13 @@ _SMALL = dict(hidden=768, layers=14, vocab=2304, kda_heads=6, kda_head_dim=128, 
 _REALDIMS = dict(hidden=7168, layers=4, vocab=2304, kda_heads=96, kda_head_dim=128, mla_heads=96, q_lora=1536,
                  kv_lora=512, nope=128, rope=64, v=128, inter=33792, experts=32, topk=16, moe_inter=3072, shared=2,
                  latent=3584, attn_res=12, expert_mode="packed")
+# K3's expert ratio at tiny dims: 896 routed experts per MoE layer, top-16 (the pool a
+# batch or a draft shares so little of), so tests see K3's cache and routing regime in
+# seconds (three MoE layers, ~17 MB).
+_POOL = dict(_TINY, layers=4, experts=896, topk=16, expert_mode="packed")
 PRESETS: dict[str, dict[str, dict]] = {
     "tiny": {"k3": _TINY, "kimi_linear": _kimi_linear(_TINY)},
+    "pool": {"k3": _POOL, "kimi_linear": _kimi_linear(_POOL)},
     "small": {"k3": _SMALL, "kimi_linear": _kimi_linear(_SMALL)},
     # Kimi-Linear-48B's real per-tensor shapes (docs/MODEL.md §6).
     "realdims": {"k3": _REALDIMS, "kimi_linear": _kimi_linear(_REALDIMS, hidden=2304, kda_heads=32, mla_heads=32,
@@ -148,7 +153,10 @@ def _mla_layers(n_layers: int) -> list[int]:
     return sorted({i for i in range(n_layers) if (i + 1) % 4 == 0} | {n_layers - 1})
 
 
-def _resolve(preset: str, arch: str, layers: int | None, experts: int | None) -> dict:
+MAX_VOCAB = 1 << 20
+
+
+def _resolve(preset: str, arch: str, layers: int | None, experts: int | None, vocab: int | None = None) -> dict:
     if arch not in ARCHS:
         raise UsageError(f"synth: unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}.")
     if preset not in PRESETS:
@@ -166,14 +174,20 @@ def _resolve(preset: str, arch: str, layers: int | None, experts: int | None) ->
                 f"synth: --experts must be >= the preset's top-k ({p['topk']} experts per token for "
                 f"{preset}/{arch}), got {experts}.")
         p["experts"] = experts
+    if vocab is not None:
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or not 2 * NUM_SPECIAL <= vocab <= MAX_VOCAB:
+            raise UsageError(
+                f"synth: --vocab must be between {2 * NUM_SPECIAL} (256 byte ranks and {NUM_SPECIAL} specials) and "
+                f"{MAX_VOCAB}, got {vocab!r}; K3's release has {K3_BASE + NUM_SPECIAL}.")
+        p["vocab"] = vocab
     return p
 
 
 # ------------------------------------------------------------------------ config
 def build_config(preset: str = "tiny", arch: str = "k3", layers: int | None = None,
-                 experts: int | None = None) -> dict:
+                 experts: int | None = None, vocab: int | None = None) -> dict:
     """The config.json dict for a preset (K3 nested or Kimi-Linear flat)."""
-    p = _resolve(preset, arch, layers, experts)
+    p = _resolve(preset, arch, layers, experts, vocab)
     L = p["layers"]
     n_ranks = p["vocab"] - NUM_SPECIAL
     bos, eos, pad = n_ranks + _BOS, n_ranks + _EOS, n_ranks + _PAD
@@ -452,13 +466,17 @@ def _corpus() -> str:
     return _CORPUS_EN + "\n" + _CORPUS_ZH + "\n" + _CORPUS_CODE + "\n" + "\n".join(nums) + "\n"
 
 
-def train_bpe(text: str, n_ranks: int) -> list[bytes]:
+def train_bpe(text: str, n_ranks: int, fill: bool = False) -> list[bytes]:
     """Byte-level BPE: returns `n_ranks` distinct tokens (bytes), rank = list index.
 
     Ranks 0..255 are the single bytes 0x00..0xFF; then one token per merge, learned
     greedily (most frequent adjacent pair, ties to the lowest pair of ranks) over the
     pieces of `text` split with Kimi's pre-tokenizer pattern, so merges never cross a
-    piece boundary. A merge whose bytes already exist as a token reuses that token."""
+    piece boundary. A merge whose bytes already exist as a token reuses that token.
+
+    With `fill`, ranks past what the text supports are filler tokens that no text can
+    reach (0xF8, a byte UTF-8 never uses, then the rank), so a release-sized vocabulary
+    (K3's 163,584 ranks) keeps its learned merges."""
     import regex
 
     from .tokenizer import PAT_STR
@@ -485,6 +503,10 @@ def train_bpe(text: str, n_ranks: int) -> list[bytes]:
     heap = [(-c, pr) for pr, c in pairs.items()]
     heapq.heapify(heap)
     while len(vocab) < n_ranks:
+        if not heap and fill:
+            while len(vocab) < n_ranks:
+                vocab.append(b"\xf8" + len(vocab).to_bytes(3, "big"))
+            break
         if not heap:
             raise ValueError(
                 f"the training text supports only {len(vocab)} BPE ranks, {n_ranks} were asked for")
@@ -524,7 +546,7 @@ _VOCAB_CACHE: dict[int, list[bytes]] = {}
 
 def _vocab(n_ranks: int) -> list[bytes]:
     if n_ranks not in _VOCAB_CACHE:
-        _VOCAB_CACHE[n_ranks] = train_bpe(_corpus(), n_ranks)
+        _VOCAB_CACHE[n_ranks] = train_bpe(_corpus(), n_ranks, fill=True)
     return _VOCAB_CACHE[n_ranks]
 
 
@@ -724,12 +746,12 @@ def _pad128(n: int) -> int:
 
 
 def make_plan(preset: str = "tiny", arch: str = "k3", seed: int = 0, layers: int | None = None,
-              experts: int | None = None) -> SynthPlan:
+              experts: int | None = None, vocab: int | None = None) -> SynthPlan:
     """The config and the exact shard layout for a preset (no tensor data)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise UsageError(f"synth: --seed must be a non-negative integer, got {seed!r}.")
-    p = _resolve(preset, arch, layers, experts)
-    raw = build_config(preset, arch, layers, experts)
+    p = _resolve(preset, arch, layers, experts, vocab)
+    raw = build_config(preset, arch, layers, experts, vocab)
     cfg = parse_config(raw, source=f"<synth {preset}/{arch}>")
     k3 = arch == "k3"
     prefix, head = ("language_model.model.", "language_model.lm_head.weight") if k3 else ("model.", "lm_head.weight")
@@ -849,16 +871,6 @@ def _expert_values(plan: SynthPlan, ex: _Expert) -> list[tuple[str, torch.Tensor
     return out
 
 
-def _shard_values(plan: SynthPlan, k: int) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for it in plan.shards[k]:
-        if isinstance(it, _Expert):
-            out += _expert_values(plan, it)
-        else:
-            out.append((it.name, _value(plan, it)))
-    return out
-
-
 def tensor_value(plan: SynthPlan, name: str) -> torch.Tensor:
     """Regenerate one written tensor by its full name (tests, debugging)."""
     for sh in plan.shards:
@@ -896,16 +908,96 @@ def _prepare_dir(out: Path, force: bool) -> None:
             (out / n).unlink()
 
 
+# A shard is drawn in pieces of about this many bytes; with workers, each piece is drawn
+# and written (pwrite at its offset) by one worker process.
+_PIECE = 128 << 20
+# Below this many bytes in all, one process draws everything (spawning workers costs
+# more than it saves).
+PARALLEL_FROM = 1 << 30
+
+_WORKER_PLAN: SynthPlan | None = None
+
+
+def _worker_init(args: tuple) -> None:
+    global _WORKER_PLAN
+    torch.set_num_threads(1)
+    _WORKER_PLAN = make_plan(*args)
+
+
+def _items_values(plan: SynthPlan, k: int, lo: int, hi: int) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for it in plan.shards[k][lo:hi]:
+        out += _expert_values(plan, it) if isinstance(it, _Expert) else [(it.name, _value(plan, it))]
+    return out
+
+
+def _write_piece(path: str, k: int, lo: int, hi: int, offsets: dict[str, int], plan: SynthPlan | None = None) -> int:
+    """Draw items [lo, hi) of shard k and write each tensor at its file offset."""
+    plan = plan or _WORKER_PLAN
+    fd = os.open(path, os.O_WRONLY)
+    n = 0
+    try:
+        for name, t in _items_values(plan, k, lo, hi):
+            mv = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            off = offsets[name]
+            while len(mv):
+                w = os.pwrite(fd, mv, off)
+                mv, off, n = mv[w:], off + w, n + w
+    finally:
+        os.close(fd)
+    return n
+
+
+def _pieces(items: list) -> list[tuple[int, int]]:
+    out, lo, acc = [], 0, 0
+    for i, it in enumerate(items):
+        acc += it.nbytes
+        if acc >= _PIECE:
+            out.append((lo, i + 1))
+            lo, acc = i + 1, 0
+    if lo < len(items):
+        out.append((lo, len(items)))
+    return out
+
+
+def _write_shard(path: Path, plan: SynthPlan, k: int, pool, fsync: bool) -> None:
+    """One shard: the header from the plan, then every piece drawn and written at its
+    offset (by the pool's workers when there is a pool), into a temporary file renamed
+    into place once complete."""
+    tensors = list(plan.shards[k])
+    flat = [t for it in tensors for t in (it.tensors if isinstance(it, _Expert) else (it,))]
+    header, offsets = safetensors_layout([(t.name, t.dtype, t.shape) for t in flat])
+    start = len(header)
+    where = {name: start + off for name, off in offsets.items()}
+
+    def body(f) -> None:
+        f.write(header)
+        f.flush()
+        os.ftruncate(f.fileno(), start + plan.shard_bytes(k))
+        parts = _pieces(tensors)
+        if pool is None or len(parts) < 2:
+            for lo, hi in parts:
+                _write_piece(f.name, k, lo, hi, where, plan)
+        else:
+            for fut in [pool.submit(_write_piece, f.name, k, lo, hi, where) for lo, hi in parts]:
+                fut.result()
+
+    atomic_write(path, body, what="the shard", fsync=fsync)
+
+
 def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, layers: int | None = None,
-               experts: int | None = None, *, force: bool = False,
-               progress: Callable[[str], None] | None = None, fsync: bool = False) -> Path:
+               experts: int | None = None, *, vocab: int | None = None, workers: int | None = None,
+               force: bool = False, progress: Callable[[str], None] | None = None, fsync: bool = False) -> Path:
     """Write a synthetic checkpoint folder; returns its path. See the module docstring.
 
-    `layers` / `experts` override the preset (layers >= 2: layer 0 dense, the last layer
-    MLA; experts >= the preset's top-k). Refuses a directory holding other files unless
-    `force`. `progress` receives one line per written shard. The index is written last."""
+    `layers` / `experts` / `vocab` override the preset (layers >= 2: layer 0 dense, the
+    last layer MLA; experts >= the preset's top-k). `workers` processes draw the shards'
+    pieces in parallel (default: one per core for checkpoints of PARALLEL_FROM bytes or
+    more, else one); the bytes do not depend on it. Refuses a directory holding other
+    files unless `force`. `progress` receives one line per written shard. The index is
+    written last."""
     t_start = time.perf_counter()
-    plan = make_plan(preset, arch, seed, layers, experts)
+    plan = make_plan(preset, arch, seed, layers, experts, vocab)
     out = Path(out_dir)
     _prepare_dir(out, force)
     need = plan.total_bytes
@@ -923,30 +1015,45 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     for fname, data in _tokenizer_files(plan.raw_config, arch).items():
         atomic_write(out / fname, data, fsync=fsync)
 
-    # One shard in memory at a time: draw it, write it, drop it. (Overlapping the draw
-    # of shard k+1 with the write of shard k measured no faster on 2 cores.)
+    # A shard's pieces are drawn and written at their offsets (the header comes from the
+    # plan), so memory holds a few pieces, never a shard, and workers draw in parallel.
+    if workers is None:
+        workers = (os.cpu_count() or 1) if need >= PARALLEL_FROM else 1
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise UsageError(f"synth: --workers must be a positive integer, got {workers!r}.")
+    pool = None
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, not fork: the parent has torch's thread pools up
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_worker_init, initargs=((preset, arch, seed, layers, experts, vocab),))
     weight_map: dict[str, str] = {}
     written = 0
-    for k, fname in enumerate(plan.shard_names):
-        t0 = time.perf_counter()
-        tensors = _shard_values(plan, k)
-        t1 = time.perf_counter()
-        write_safetensors(out / fname, tensors, metadata=None, fsync=fsync)
-        t2 = time.perf_counter()
-        nb = plan.shard_bytes(k)
-        written += nb
-        for name, _ in tensors:
-            weight_map[name] = fname
-        del tensors
-        say(f"  [{k + 1}/{len(plan.shard_names)}] {fname}: {nb / 1e6:9.1f} MB "
-            f"(generate {t1 - t0:5.2f} s, write {t2 - t1:5.2f} s; {written / 1e6:.1f} of {need / 1e6:.1f} MB)")
+    try:
+        for k, fname in enumerate(plan.shard_names):
+            t0 = time.perf_counter()
+            _write_shard(out / fname, plan, k, pool, fsync)
+            nb = plan.shard_bytes(k)
+            written += nb
+            for it in plan.shards[k]:
+                for t in (it.tensors if isinstance(it, _Expert) else (it,)):
+                    weight_map[t.name] = fname
+            dt = time.perf_counter() - t0
+            say(f"  [{k + 1}/{len(plan.shard_names)}] {fname}: {nb / 1e6:9.1f} MB in {dt:6.2f} s "
+                f"({nb / 1e6 / max(dt, 1e-9):.0f} MB/s; {written / 1e6:.1f} of {need / 1e6:.1f} MB)")
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
     elapsed = time.perf_counter() - t_start
     meta = {
         "generator": "k3.synth", "format_version": 1, "preset": preset, "arch": arch, "seed": seed,
         "num_hidden_layers": plan.cfg.num_hidden_layers, "num_experts": plan.cfg.num_experts,
         "expert_encoding": plan.expert_mode, "total_size": written, "shards": len(plan.shard_names),
-    }  # no timings: the folder is byte-for-byte a function of (preset, arch, seed, layers, experts)
+        "vocab_size": plan.cfg.vocab_size,
+    }  # no timings: the folder is byte-for-byte a function of (preset, arch, seed, layers, experts, vocab)
     (out / "k3_synth.json").write_bytes(_json_bytes(meta))
     index = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write(out / INDEX_NAME, _json_bytes(index), fsync=fsync)
@@ -955,9 +1062,9 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
 
 
 def describe_plan(preset: str = "tiny", arch: str = "k3", seed: int = 0, layers: int | None = None,
-                  experts: int | None = None) -> list[str]:
+                  experts: int | None = None, vocab: int | None = None) -> list[str]:
     """What `synthesize` would write (`k3 synth --dry-run`): one line per shard."""
-    plan = make_plan(preset, arch, seed, layers, experts)
+    plan = make_plan(preset, arch, seed, layers, experts, vocab)
     out = [plan.cfg.summary().replace("<synth", "synth").replace(">", "")]
     for name, sh in zip(plan.shard_names, plan.shards):
         n = sum(len(it.tensors) if isinstance(it, _Expert) else 1 for it in sh)

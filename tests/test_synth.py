@@ -566,3 +566,52 @@ def test_small_preset(tmp_path, monkeypatch):
     assert sum(p.stat().st_size for p in d.glob("model-*.safetensors")) > plan.total_bytes
     _kernels(monkeypatch)
     _generate_check(d, n_gen=3)
+
+
+# ------------------------------------------------------------------ K3's pool, its vocabulary, parallel drawing
+def test_workers_write_the_same_bytes(tiny, tmp_path):
+    """Pieces drawn by worker processes and written at their offsets are the bytes one
+    process writes (small pieces, so that every shard is split among the workers)."""
+    old = synth._PIECE
+    synth._PIECE = 4096
+    try:
+        par = synth.synthesize(tmp_path / "par", preset="tiny", seed=0, workers=2)
+    finally:
+        synth._PIECE = old
+    for n in sorted(os.listdir(tiny)):
+        assert (tiny / n).read_bytes() == (par / n).read_bytes(), n
+    with pytest.raises(UsageError, match="--workers"):
+        synth.synthesize(tmp_path / "bad", preset="tiny", workers=0)
+
+
+def test_pool_preset_has_k3s_expert_ratio(tmp_path):
+    p = synth.make_plan("pool", "k3")
+    assert (p.cfg.num_experts, p.cfg.num_experts_per_token) == (896, 16)
+    assert p.total_bytes < 40e6  # seconds to write: a test's checkpoint
+    d = synth.synthesize(tmp_path / "pool", preset="pool")
+    idx = CheckpointIndex.open(d)
+    for i in range(1, p.cfg.num_hidden_layers):
+        assert sum(f".layers.{i}.block_sparse_moe.experts." in n and n.endswith("w1.weight_packed")
+                   for n in idx.names()) == 896
+
+
+def test_release_sized_vocabulary(tmp_path):
+    from tiktoken.load import load_tiktoken_bpe
+
+    from k3.tokenizer import Tokenizer
+
+    d = synth.synthesize(tmp_path / "v", preset="tiny", layers=2, vocab=synth.K3_BASE + 256)
+    cfg = load_config(d)
+    assert cfg.vocab_size == 163840
+    ranks = load_tiktoken_bpe(str(d / "tiktoken.model"))
+    assert len(ranks) == synth.K3_BASE and sorted(ranks.values()) == list(range(synth.K3_BASE))
+    tok = Tokenizer(d)
+    text = "The capital of France is Paris. 机器学习"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 2  # the learned merges are kept; fillers are never reached
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert int(next(k for k, v in tc["added_tokens_decoder"].items() if v["content"] == "[BOS]")) == synth.K3_BASE
+    for bad in (100, 1 << 30, True):
+        with pytest.raises(UsageError, match="--vocab"):
+            synth.make_plan("tiny", "k3", vocab=bad)

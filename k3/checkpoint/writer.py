@@ -24,7 +24,7 @@ import torch
 from ..fsutil import atomic_write, fsync_dir
 from .safetensors import DTYPE_SIZES, INDEX_NAME
 
-__all__ = ["write_checkpoint", "write_safetensors", "TORCH_TO_ST", "NUMPY_TO_ST"]
+__all__ = ["write_checkpoint", "write_safetensors", "safetensors_layout", "TORCH_TO_ST", "NUMPY_TO_ST"]
 
 TORCH_TO_ST: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -124,6 +124,26 @@ def _header_bytes(entries: Sequence[_Entry], metadata: dict[str, str] | None) ->
     raw = json.dumps(hdr, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * ((-len(raw)) % 8)  # pad so that the data section starts 8-aligned
     return len(raw).to_bytes(8, "little") + raw
+
+
+def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                       ) -> tuple[bytes, dict[str, int]]:
+    """The header of a file holding ``(name, safetensors dtype, shape)`` tensors gap-free in
+    that order, and each tensor's offset from the start of the data section: what
+    :func:`write_safetensors` would write, for a writer that fills the data itself."""
+    entries = []
+    for name, dt, shape in tensors:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        entries.append(_Entry(name, dt, tuple(int(d) for d in shape), numel * DTYPE_SIZES[dt], None))
+    offsets, off = {}, 0
+    for e in entries:
+        if e.name in offsets:
+            raise ValueError(f"tensor name {e.name!r} given twice")
+        offsets[e.name] = off
+        off += e.nbytes
+    return _header_bytes(entries, _check_metadata(metadata)), offsets
 
 
 def _check_metadata(metadata: dict | None) -> dict[str, str] | None:
