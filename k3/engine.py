@@ -29,6 +29,7 @@ from . import env, warmup
 from .config import ModelConfig, load_config
 from .errors import K3Error, NumericError, UsageError
 from .memory import planner, sysmem
+from .memory.passcost import PassCost
 from .memory.planner import Budgets, Plan
 from .model.stack import InferenceState, Model, Observer
 from .units import human
@@ -105,6 +106,7 @@ class Step:
     pass_index: int = 0  # the weight pass that produced it (one pass emits several tokens with --spec)
     drafted: int = 0  # speculative decoding, on a pass's first token: tokens drafted and accepted in that pass
     accepted: int = 0
+    withheld: int = 0  # drafts found but not read: the pass cost model said they would not pay
     batch: int = 1  # sequences that shared the pass (its seconds and bytes are theirs together)
     logits: torch.Tensor | None = None  # step 0 always; every step with keep_logits
 
@@ -218,6 +220,7 @@ class Engine:
         self.tokenizer_error = None  # why the folder's tokenizer could not be read, if it could not
         self.pipeline = None  # this process's k3.pipeline.Stage when it is one rank of several
         self.kernels = None  # what k3.warmup.ensure did at load (the jobs, which compiled, how long)
+        self.pass_cost = None  # k3.memory.passcost.PassCost: what a pass of T tokens costs, learnt as it runs
 
     # ------------------------------------------------------------ conveniences
     @property
@@ -408,6 +411,7 @@ class Request:
     finish: str | None = None  # "stop" or "length" once finished ("cancelled": taken out by Batch.remove)
     work: InferenceState | None = None  # full recompute: the re-read in progress
     drafts: list = field(default_factory=list)
+    withheld: int = 0  # drafts of this pass not read
     tokens: list = field(default_factory=list)  # emitted so far
     carry: dict = field(default_factory=dict)  # time, tokens and I/O of passes that emitted nothing yet
 
@@ -495,11 +499,15 @@ class Batch:
             if self.observer is not None and (len(piece) < len(r.reading) or r.carry.get("fed")):
                 done = r.carry.get("fed", 0)  # a prompt read in several passes: where it is
                 self.observer.on_prefill(done, done + len(r.reading), len(piece))
-            r.drafts = []
+            r.drafts, r.withheld = [], 0
             if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
-                r.drafts = r.drafter.draft()[:r.max_tokens - r.emitted - 1]
-            blocks.append(piece + r.drafts)
-            segments.append((piece + r.drafts, st))
+                r.drafts = r.drafter.propose(r.max_tokens - r.emitted - 1)
+            blocks.append(piece)
+            segments.append(st)
+        self._weigh_drafts(active, blocks)
+        for i, r in enumerate(active):
+            blocks[i] = blocks[i] + r.drafts
+            segments[i] = (blocks[i], segments[i])
         snaps = [st.snapshot() for _, st in segments]
         for r in active:
             if r.drafts:
@@ -535,6 +543,8 @@ class Batch:
         now = eng.counters()
         d = {k: now[k] - self._counters[k] for k in now}
         self._counters = now
+        if eng.pass_cost is not None:
+            eng.pass_cost.observe([len(b) for b in blocks], dt, d)
         for r, blk, w, snap in zip(active, blocks, where, snaps):
             r.reading = r.reading[len(blk) - len(r.drafts):]
             c = r.carry
@@ -569,7 +579,7 @@ class Batch:
                     net_bytes=c.get("net_bytes", 0) if first else 0,
                     io_seconds=c["expert_read_seconds"] + c["trunk_device_seconds"] if first else 0.0,
                     finish=finish, pass_index=r.passes, drafted=len(r.drafts) if first else 0,
-                    accepted=kept if first else 0, batch=len(active),
+                    accepted=kept if first else 0, withheld=r.withheld if first else 0, batch=len(active),
                     logits=rr[j].clone() if r.keep_logits or r.emitted == 0 else None))
                 r.emitted += 1
                 r.tokens.append(tok)
@@ -587,6 +597,28 @@ class Batch:
         for (_, st), snap in zip(segments, snaps):  # the pass is settled: its undo snapshots go
             st.release(snap)
         return out
+
+    def _weigh_drafts(self, active: list[Request], pieces: list[list]) -> None:
+        """Cut each sequence's drafts to what is expected to pay: the number that gives
+        the pass the most expected tokens per predicted second, by the pass cost model
+        and the drafter's running acceptance (k3.memory.passcost.drafts_to_read)."""
+        cost = self.engine.pass_cost
+        if cost is None or env.spec_every_draft() or not any(r.drafts for r in active):
+            return
+        from .memory.passcost import drafts_to_read, expected_emitted
+
+        groups = [len(p) for p in pieces]
+        expect = [1.0 if len(p) == len(r.reading) else 0.0 for r, p in zip(active, pieces)]
+        for i, r in enumerate(active):
+            if not r.drafts:
+                continue
+            rates = r.drafter.acceptance.rates
+            others = groups[:i] + groups[i + 1:]
+            j = drafts_to_read(cost, others, sum(expect) - expect[i], len(r.drafts), rates)
+            r.withheld = len(r.drafts) - j
+            r.drafts = r.drafts[:j]
+            groups[i] += j
+            expect[i] = expected_emitted(rates, j)
 
     @staticmethod
     def _pick(r: Request, rows) -> tuple[list[int], int]:
@@ -758,6 +790,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                      prefill_chunk=prefill_chunk)
         eng.tokenizer_error = tok_error
         eng.kernels = kernels
+        eng.pass_cost = PassCost(planner.pass_shape(sizes, plan.trunk, plan.cache_slots, plan.stream_tables))
         if stage is not None:
             eng.pipeline = stage
             if stage.rank == 0:

@@ -3,7 +3,9 @@
 Users set ``K3_CACHE`` (where `k3 demo` keeps its checkpoint and `k3 chat` its
 histories), ``K3_PIN_PREFIX=1`` (pin trunk layers as a prefix, the C engine's v1.0.0
 order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for the
-expert arena) and ``K3_DEBUG=1`` (show tracebacks). ``K3_TEST_FAULT`` injects read
+expert arena), ``K3_DEBUG=1`` (show tracebacks) and ``K3_SPEC_EVERY_DRAFT=1`` (speculative
+decoding reads every draft it finds, as before the pass cost model weighed them; for
+A/B runs). ``K3_TEST_FAULT`` injects read
 failures for the tests of the failure path.
 
 Under ``torchrun`` (a pipeline over several processes, k3.pipeline) k3 reads the
@@ -30,6 +32,10 @@ def pin_order() -> str:
 
 def hugepages() -> bool:
     return os.environ.get("K3_NOHUGE") is None
+
+
+def spec_every_draft() -> bool:
+    return os.environ.get("K3_SPEC_EVERY_DRAFT", "") not in ("", "0")
 
 
 def debug() -> bool:

@@ -7,6 +7,12 @@ make: the most recent earlier occurrence of the sequence's last 4 ids (else 3) a
 followed it, up to N tokens, stopping where the two most recent earlier continuations
 disagree; then the same lookup in a static corpus (a document the answer is likely to
 repeat: code being edited, a text being summarised), like llama.cpp's lookup cache.
+
+Drafts are not free where each drafted token brings its own routed experts, so the
+decode loop reads only as many as are expected to pay (k3.memory.passcost): the
+drafter keeps a running acceptance per draft position, scored on every draft it made,
+read or withheld, against the tokens that actually followed. Drafting thus stops where
+drafts go wrong and resumes when they would be right again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,32 @@ from .errors import UsageError
 
 KEYS = (4, 3)  # n-gram lengths tried, longest first
 MAX_DRAFT = 8
+# The acceptance a draft position starts at, worth PRIOR_WEIGHT drafts; later drafts
+# weigh more, at DECAY per scored draft, so the estimate follows the text.
+PRIOR = 0.5
+PRIOR_WEIGHT = 2.0
+DECAY = 0.8
+
+
+class Acceptance:
+    """Running chance, per draft position i, that draft i is right given that the drafts
+    before it were (what a verifying pass would have kept)."""
+
+    def __init__(self, n: int):
+        self.right = [PRIOR * PRIOR_WEIGHT] * n
+        self.tried = [PRIOR_WEIGHT] * n
+        self.scored = 0
+
+    def score(self, n_right: int, n_tried: int) -> None:
+        """A draft of n_tried tokens whose first n_right were right."""
+        self.scored += 1
+        for i in range(min(n_tried, n_right + 1, len(self.tried))):
+            self.right[i] = self.right[i] * DECAY + (1.0 if i < n_right else 0.0)
+            self.tried[i] = self.tried[i] * DECAY + 1.0
+
+    @property
+    def rates(self) -> list[float]:
+        return [r / t for r, t in zip(self.right, self.tried)]
 
 
 class NgramIndex:
@@ -45,7 +77,8 @@ class NgramIndex:
 
 
 class Drafter:
-    """Drafts for one sequence: its own n-grams, then the corpus's."""
+    """Drafts for one sequence: its own n-grams, then the corpus's; and how often its
+    drafts were right (``acceptance``)."""
 
     def __init__(self, ids, n: int, corpus: "NgramIndex | None" = None):
         if not 1 <= n <= MAX_DRAFT:
@@ -53,9 +86,30 @@ class Drafter:
         self.n = n
         self.seq = NgramIndex(ids)
         self.corpus = corpus
+        self.acceptance = Acceptance(n)
+        self._open: list[tuple[int, list[int]]] = []  # (position of its first token, draft) not yet scored
 
     def extend(self, ids) -> None:
         self.seq.extend(ids)
+        seq, still = self.seq.ids, []
+        for at, d in self._open:
+            known = len(seq) - at
+            right = 0
+            while right < min(known, len(d)) and seq[at + right] == d[right]:
+                right += 1
+            if right < min(known, len(d)) or right == len(d):  # a token went wrong, or all were right
+                self.acceptance.score(right, len(d))
+            else:
+                still.append((at, d))
+        self._open = still
+
+    def propose(self, limit: int | None = None) -> list[int]:
+        """The draft for the sequence's next tokens (at most ``limit``), to be scored
+        against the tokens that follow whether or not it is read."""
+        d = self.draft()[:self.n if limit is None else max(0, limit)]
+        if d:
+            self._open.append((len(self.seq.ids), d))
+        return d
 
     def draft(self) -> list[int]:
         ids = self.seq.ids

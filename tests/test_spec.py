@@ -23,6 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 99, 300, 42, 7, 1000, 12] * 3
 
 
+
+
+@pytest.fixture(autouse=True)
+def every_draft(monkeypatch):
+    """These tests check drafting's mechanics (verification, rollback, the figures), so
+    every draft found is read; test_passcost.py tests which drafts the cost model reads
+    (on the tiny model a verification pass costs more than the tokens it saves, and the
+    cost model reads none)."""
+    monkeypatch.setenv("K3_SPEC_EVERY_DRAFT", "1")
+
+
 # ---------------------------------------------------------------- drafts
 def test_drafts_follow_the_most_recent_earlier_occurrence():
     assert Drafter([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4], 8).draft() == [5, 6, 7, 1, 2, 3, 4]

@@ -167,6 +167,7 @@ def spec_summary(steps, n: int) -> dict:
     accepted = sum(s.accepted for s in steps)
     with_drafts = sum(1 for s in steps if s.drafted)
     return {"n": n, "passes": passes, "drafted": drafted, "accepted": accepted,
+            "withheld": sum(s.withheld for s in steps),
             "acceptance": accepted / drafted if drafted else 0.0,
             "mean_accepted_run": accepted / with_drafts if with_drafts else 0.0,
             "tokens_per_pass": len(steps) / passes,

@@ -339,8 +339,9 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
     spec = spec_summary(steps, args.spec) if args.spec else None
     if spec is not None:
         err(f"spec: {spec['passes']} weight passes for {len(steps)} tokens ({spec['tokens_per_pass']:.2f} per pass); "
-            f"drafted {spec['drafted']}, accepted {spec['accepted']} ({100 * spec['acceptance']:.0f}%), mean accepted "
-            f"run {spec['mean_accepted_run']:.2f}; {human(spec['bytes_per_token'])} read per emitted token")
+            f"drafted {spec['drafted']}, accepted {spec['accepted']} ({100 * spec['acceptance']:.0f}%), withheld "
+            f"{spec['withheld']} (not expected to pay), mean accepted run {spec['mean_accepted_run']:.2f}; "
+            f"{human(spec['bytes_per_token'])} read per emitted token")
     err(f"prompt: {len(ids)} tokens, {prefill_s:.2f} s (prefill + first token) | decode: {len(decode)} tokens, "
         f"{len(decode) / decode_s if decode_s > 0 else 0:.2f} tok/s, {decode_s / len(decode) if decode else 0:.3f} "
         f"s/token | peak RSS {human(peak)} | read {human(read)} | I/O share {100 * share:.0f}%")

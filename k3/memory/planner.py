@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..errors import K3Error, UsageError
 from ..units import ALIGN, GB, align_up, gb, gb_up, human
+from .passcost import PassShape, pass_bytes, plan_groups
 
 #: share of the available memory a plan may use (the rest absorbs allocator slack)
 PLAN_FRACTION = 0.95
@@ -436,17 +437,22 @@ def expert_cache_slots(sizes: ModelSizes, budget_bytes: int) -> int:
 
 
 # ====================================================================== the cost model
-def bytes_per_token(sizes: ModelSizes, trunk: TrunkPlan | None, cache_slots: int, stream_tables: bool) -> int:
-    """Bytes read from storage per decoded token, estimated: the trunk layers not pinned
-    (re-read every token), the routed experts the cache misses, and lm_head when the
-    tables are streamed. The expert hit rate is estimated as ``slots / routed experts``
-    (uniform routing, as K3's Quantile-Balanced router aims for; a token's own top-k
-    never repeat within a layer, so they bring no hits of their own)."""
-    streamed = 0 if trunk is None else trunk.streamed_bytes
-    per_token = sizes.moe_layers * sizes.top_k * sizes.expert_bytes
-    hit = min(1.0, cache_slots / sizes.routed_experts) if sizes.routed_experts else 1.0
-    tables = sizes.head_bytes if stream_tables else 0
-    return int(streamed + per_token * (1.0 - hit) + tables)
+def pass_shape(sizes: ModelSizes, trunk: TrunkPlan | None, cache_slots: int, stream_tables: bool) -> PassShape:
+    """The constants the pass cost model (k3.memory.passcost) takes from a plan."""
+    return PassShape(sizes.moe_layers, sizes.experts, sizes.top_k, sizes.expert_bytes, cache_slots,
+                     0 if trunk is None else trunk.streamed_bytes, sizes.head_bytes if stream_tables else 0)
+
+
+def bytes_per_token(sizes: ModelSizes, trunk: TrunkPlan | None, cache_slots: int, stream_tables: bool,
+                    sequences: int = 1) -> int:
+    """Bytes read from storage per decoded token when ``sequences`` sequences decode
+    together, estimated by the pass cost model with its uniform prior: one pass reads
+    the trunk layers not pinned and (tables streamed) lm_head once for all of them, and
+    per MoE layer the distinct routed experts their tokens choose that the cache misses
+    (T tokens choose E (1 - (1 - k/E)^T) of E experts; the hit rate is ``slots / routed
+    experts``, uniform routing as K3's Quantile-Balanced router aims for)."""
+    groups = plan_groups(sequences)
+    return int(pass_bytes(pass_shape(sizes, trunk, cache_slots, stream_tables), groups) / len(groups))
 
 
 # ====================================================================== the plan
@@ -467,6 +473,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     kv_positions: int = 0  # the positions the KV cache row holds (all sequences)
     kv_per_position: int = 0
+    sequences: int = 1  # the batch the read per token is priced for
 
     @property
     def total(self) -> int:
@@ -491,13 +498,16 @@ class Plan:
                      f"({self.trunk.ring_slots} slot{'s' if self.trunk.ring_slots != 1 else ''})")
         return (f"memory plan: {human(self.total)} of {human(self.available)} available ({self.preset}): {trunk}, "
                 f"expert cache {self.cache_slots} slots, tables {'streamed' if self.stream_tables else 'resident'}; "
-                f"~{human(self.read_per_token)} read per token")
+                f"~{human(self.read_per_token)} read per token{self._at_batch()}")
+
+    def _at_batch(self) -> str:
+        return f" at batch {self.sequences}" if self.sequences > 1 else ""
 
     def as_dict(self) -> dict:
         return {"components": {n: b for n, b, _ in self.rows}, "total": self.total, "available": self.available,
                 "preset": self.preset, "stream_tables": self.stream_tables, "cache_slots": self.cache_slots,
                 "trunk_budget": self.trunk_budget, "cache_budget": self.cache_budget,
-                "estimated_read_per_token": self.read_per_token}
+                "estimated_read_per_token": self.read_per_token, "priced_for_batch": self.sequences}
 
     def check(self) -> None:
         if self.available and self.total > PLAN_FRACTION * self.available:
@@ -693,7 +703,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
             if cache < floor_cache or trunk_mem + cache > left:
                 continue
             slots = expert_cache_slots(sizes, cache)
-            cost = bytes_per_token(sizes, tp, slots, stream_tables)
+            cost = bytes_per_token(sizes, tp, slots, stream_tables, sequences)
             candidates.append((cost, -(trunk_mem), stream_tables, t, cache, tp, slots))
     explicit_all = (not streaming or trunk_req is not None) and cache_req is not None and len(table_choices) == 1
     if candidates and not explicit_all:
@@ -715,7 +725,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
             trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
             cache = min(max_cache, max(floor_cache, room - tables - trunk_mem))
         slots = expert_cache_slots(sizes, cache)
-        cost = bytes_per_token(sizes, tp, slots, stream_tables)
+        cost = bytes_per_token(sizes, tp, slots, stream_tables, sequences)
     rows = []
     if tp is not None:
         rows.append(("trunk (STREAMED)", tp.used_bytes,
@@ -730,7 +740,8 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
     rows += fixed
     p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes,
-             kv_positions=tokens, kv_per_position=kv_bytes_per_position(cfg, n_layers, kv_latent))
+             kv_positions=tokens, kv_per_position=kv_bytes_per_position(cfg, n_layers, kv_latent),
+             sequences=max(1, int(sequences)))
     if (preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom")
             or (preset in CEILING_PRESETS and candidates)):
         why = []
@@ -744,5 +755,5 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         within = (f" within the {preset} preset's ceilings ({gb(trunk_cap or 0)} GB trunk, "
                   f"{gb(cache_cap or 0)} GB expert cache)" if preset in CEILING_PRESETS else "")
         p.notes.append(f"{'auto' if preset not in CEILING_PRESETS else preset}: {'; '.join(why)}: the fewest bytes "
-                       f"read per token (~{human(cost)}) of the {len(candidates)} plans that fit{within}.")
+                       f"read per token (~{human(cost)}{p._at_batch()}) of the {len(candidates)} plans that fit{within}.")
     return p
