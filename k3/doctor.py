@@ -233,8 +233,8 @@ class ModelFacts:
     sizes: object = None  # planner.ModelSizes, when the checkpoint matches its config
 
 
-def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
-    from .checkpoint.safetensors import INDEX_NAME, read_index, read_shard_header
+def check_model(rep: Report, model: Path, trunk: Path | None, extra_dirs=()) -> ModelFacts:
+    from .checkpoint.safetensors import INDEX_NAME, read_index, read_shard_header, shard_paths
     from .fsutil import path_problem
     from .config import load_config
 
@@ -271,8 +271,9 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
             return facts
     missing, bad, tensors = [], [], {}
     size_total = 0
+    where = shard_paths(str(model), shards, [str(d) for d in extra_dirs])
     for name in shards:
-        p = model / name
+        p = Path(where[name])
         why = path_problem(p)
         if why == "does not exist":
             missing.append(name)
@@ -315,7 +316,7 @@ def check_model(rep: Report, model: Path, trunk: Path | None) -> ModelFacts:
             from .checkpoint.layout import CheckpointLayout
             from .memory.streaming import model_sizes
             from .model.schema import global_specs
-            layout = CheckpointLayout.open(cfg, model)
+            layout = CheckpointLayout.open(cfg, model, extra_dirs=tuple(extra_dirs))
             sizes = facts.sizes = model_sizes(layout)
         except K3Error as e:
             rep.blocking.append(str(e))
@@ -380,7 +381,7 @@ def _check_trunk(rep: Report, tdir: Path, cfg, model: Path, shards_broken) -> st
     except ImportError:  # pragma: no cover - a build without trunk streaming
         return "unchecked (no trunk support in this build)"
     try:
-        PackedTrunk.open(tdir, cfg, CheckpointIndex.open(model))
+        PackedTrunk.open(tdir, cfg, CheckpointIndex.open(model, extra_dirs))
         return "current"
     except K3Error as e:
         rep.warnings.append(f"the packed trunk in {tdir} is stale: {e}")
@@ -405,10 +406,11 @@ def check_disk(rep: Report, where: Path, have_model: bool) -> None:
     rep.data["disk"] = {"path": str(where), "free": du.free, "total": du.total, "device": dev, "rotational": rot}
 
 
-def check_storage(rep: Report, where: Path, files, seconds: float, read_size: int, scratch_bytes: int = 512 << 20):
+def check_storage(rep: Report, where: Path, files, seconds: float, read_size: int, scratch_bytes: int = 512 << 20,
+                  title: str = "storage probe"):
     from .probe import probe_storage
 
-    lines = rep.section("storage probe")
+    lines = rep.section(title)
     try:
         res = probe_storage(where, files, seconds=seconds, read_size=read_size, scratch_bytes=scratch_bytes)
     except OSError as e:
@@ -423,7 +425,8 @@ def check_storage(rep: Report, where: Path, files, seconds: float, read_size: in
         lines.append("sequential 8 MiB: " + ", ".join(f"QD{q} {v:,.0f} MB/s" for q, v in res.sequential.items()))
     if res.random:
         lines.append(f"random {human(res.read_size)}: " + ", ".join(f"QD{q} {v:,.0f} MB/s" for q, v in res.random.items()))
-    rep.data["storage"] = res.as_dict()
+    if title == "storage probe":  # the model folder's drive; others go under storage_dirs
+        rep.data["storage"] = res.as_dict()
     if res.random and res.random_rate < 500e6:
         rep.warnings.append(f"random expert-sized reads run at {res.random_rate / 1e6:,.0f} MB/s on {res.device}: a "
                             "streamed K3 reads ~26 GB of experts per token, so expect minutes per token. An NVMe "
@@ -543,13 +546,14 @@ def next_steps(rep: Report, model: Path | None, facts: ModelFacts | None, preset
 
 
 def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float = 8.0,
-               probe_dir=None, read_size: int | None = None, scratch_bytes: int = 512 << 20) -> Report:
+               probe_dir=None, read_size: int | None = None, scratch_bytes: int = 512 << 20,
+               model_dirs=()) -> Report:
     rep = Report()
     check_python(rep)
     check_cpu(rep)
     mem = check_memory(rep)
     model_p = Path(model) if model is not None else None
-    facts = check_model(rep, model_p, Path(trunk) if trunk else None) if model_p is not None else None
+    facts = check_model(rep, model_p, Path(trunk) if trunk else None, model_dirs) if model_p is not None else None
     where = Path(probe_dir) if probe_dir else (model_p if model_p is not None and model_p.is_dir() else Path.cwd())
     check_disk(rep, where, model_p is not None and model_p.is_dir())
     res = None
@@ -559,6 +563,12 @@ def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float 
             shards = sorted(model_p.glob("*.safetensors"), key=lambda p: -p.stat().st_size)[:8]
         size = read_size or K3_EXPERT_BYTES
         res = check_storage(rep, where, shards, probe_seconds, size, scratch_bytes)
+        for d in model_dirs:  # shards on other drives: each drive is probed with its own shards
+            more = sorted(Path(d).glob("*.safetensors"), key=lambda p: -p.stat().st_size)[:8]
+            other = check_storage(rep, Path(d), more, probe_seconds, size, scratch_bytes,
+                                  title=f"storage probe ({d})")
+            if other is not None:
+                rep.data.setdefault("storage_dirs", {})[str(d)] = other.as_dict()
     preset, resident = estimate(rep, mem, facts, res)
     next_steps(rep, model_p, facts, preset, resident)
     return rep

@@ -639,7 +639,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
          max_context: int = DEFAULT_MAX_CONTEXT, max_batch: int = 1, kv_cache: bool = True, trace: bool = False,
          kda_chunked: bool | None = None, spec: int = 0, kv: str = "latent", prefill_chunk: int | None = None,
          stage_gb: float | None = None, pipeline_timeout: float | None = None, log=None, progress=None,
-         notice=None, compile_progress=None, allow_zero_weights: bool = False) -> Engine:
+         notice=None, compile_progress=None, allow_zero_weights: bool = False, model_dirs=()) -> Engine:
     """Open the model in ``model_dir`` within a memory plan and return an :class:`Engine`.
 
     Budgets: ``preset`` (a preset name or ``auto``), ``trunk`` (a packed-trunk folder
@@ -655,7 +655,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     ``notice`` receives what must be shown at once (the kernels compiling, on a first
     run: default ``log``), ``compile_progress(done, total, label, seconds)`` each group
     of kernels compiled. Weights that read as zeros (an unfinished download,
-    k3.checkpoint.zeros) are refused (exit 3) unless ``allow_zero_weights``.
+    k3.checkpoint.zeros) are refused (exit 3) unless ``allow_zero_weights``. ``model_dirs``:
+    more folders holding shards the index names (one per drive).
     Launched by torchrun as one of several processes, the model is split over them
     (k3.pipeline; ``pipeline_timeout`` seconds bound every wait for another rank): rank
     0 returns the engine to use, every other rank one whose :meth:`Engine.serve_stage`
@@ -693,7 +694,10 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         raise UsageError(f"--spec takes 1..{MAX_DRAFT} drafted tokens per pass, got {spec}.")
     t0 = time.perf_counter()
     launch = env.launch()
-    layout = CheckpointLayout.open(cfg, model_dir, layers, validate=launch is None)
+    for d in model_dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"--model-dirs {d}: not a folder. Give the folders that hold the checkpoint's shards.")
+    layout = CheckpointLayout.open(cfg, model_dir, layers, validate=launch is None, extra_dirs=tuple(model_dirs))
     say(f"indexed {len(layout.index)} tensors from {len(layout.index.shards())} shards in "
         f"{time.perf_counter() - t0:.2f} s")
     if launch is None:

@@ -50,8 +50,8 @@ class CheckpointLayout:
 
     @classmethod
     def open(cls, cfg, model_dir, n_layers: int | None = None, *, validate: bool = True,
-             first: int = 0) -> "CheckpointLayout":
-        layout = cls(cfg, CheckpointIndex.open(model_dir), n_layers, first)
+             first: int = 0, extra_dirs=()) -> "CheckpointLayout":
+        layout = cls(cfg, CheckpointIndex.open(model_dir, extra_dirs), n_layers, first)
         if validate:
             layout.validate()
         return layout

@@ -404,11 +404,28 @@ def _list_names(names: list[str], limit: int = 5) -> str:
     return shown
 
 
-def _check_shard_files(d: str, shards: list[str], named: str) -> None:
+def shard_paths(d: str, shards, extra_dirs=()) -> dict[str, str]:
+    """Where each shard named by the index is: in the model folder ``d``, else in the
+    first of ``extra_dirs`` (shards spread over several drives) that holds it; a shard
+    found nowhere maps to ``d`` (and is then reported missing there)."""
+    out = {}
+    for s in shards:
+        out[s] = os.path.join(d, s)
+        if os.path.lexists(out[s]):
+            continue
+        for e in extra_dirs:
+            p = os.path.join(e, s)
+            if os.path.lexists(p):
+                out[s] = p
+                break
+    return out
+
+
+def _check_shard_files(d: str, shards: list[str], named: str, where: dict[str, str] | None = None) -> None:
     """Refuse, in one message, shard names that are not regular files: missing ones
     (a partial download) and ones that are something else (a directory, a broken
     symbolic link, a link loop, a FIFO), each said as what it is."""
-    found = [(s, path_problem(os.path.join(d, s))) for s in shards]
+    found = [(s, path_problem((where or {}).get(s) or os.path.join(d, s))) for s in shards]
     missing = [s for s, why in found if why == "does not exist"]
     odd = [(s, why) for s, why in found if why is not None and why != "does not exist"]
     if odd:
@@ -454,8 +471,9 @@ class CheckpointIndex:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def open(cls, model_dir: str | os.PathLike) -> "CheckpointIndex":
-        """Index ``model_dir``.
+    def open(cls, model_dir: str | os.PathLike, extra_dirs=()) -> "CheckpointIndex":
+        """Index ``model_dir``; with ``extra_dirs``, the shards its index names may be in
+        those folders too (one per drive, `--model-dirs`), looked up in order.
 
         With ``model.safetensors.index.json``: its ``weight_map`` (tensor -> shard
         file name) is authoritative; every shard it names for a text tensor must
@@ -479,14 +497,18 @@ class CheckpointIndex:
         gc.disable()
         try:
             if os.path.lexists(index_path):  # a broken link is reported, not skipped
-                return cls._open_indexed(d, index_path)
+                return cls._open_indexed(d, index_path, [os.path.abspath(os.fspath(e)) for e in extra_dirs])
+            if extra_dirs:
+                raise CheckpointError(
+                    f"--model-dirs needs {INDEX_NAME} in {d}: the index says which shard is which, wherever it is; "
+                    "without one, put every shard in the model folder.")
             return cls._open_glob(d)
         finally:
             if gc_was_enabled:
                 gc.enable()
 
     @classmethod
-    def _open_indexed(cls, d: str, index_path: str) -> "CheckpointIndex":
+    def _open_indexed(cls, d: str, index_path: str, extra_dirs=()) -> "CheckpointIndex":
         wm, meta = read_index(index_path)
         by_shard: dict[str, list[str]] = {}
         for name, shard in wm.items():
@@ -496,11 +518,13 @@ class CheckpointIndex:
             if not name.startswith(IGNORED_PREFIXES):
                 names.append(name)
         needed = [s for s, names in by_shard.items() if names]
-        _check_shard_files(d, sorted(needed), f"named by {INDEX_NAME}")
+        where = shard_paths(d, sorted(needed), extra_dirs)
+        _check_shard_files(d, sorted(needed), f"named by {INDEX_NAME}" + (
+            f" (looked for in {d} and {', '.join(extra_dirs)})" if extra_dirs else ""), where)
         headers: dict[str, ShardHeader] = {}
         tensors: dict[str, TensorInfo] = {}
         for shard in sorted(needed):
-            hdr = read_shard_header(os.path.join(d, shard))
+            hdr = read_shard_header(where[shard])
             headers[hdr.file] = hdr
             infos = hdr.tensors
             names = by_shard[shard]

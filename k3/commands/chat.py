@@ -275,7 +275,7 @@ def run(args) -> int:
     report = CompileReport()
     try:
         eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights,
+                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                    config=args.config, max_context=args.max_context, spec=args.spec, kv=args.kv,
                    prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,
                    log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "ultra:", "note:", "pipeline:"))

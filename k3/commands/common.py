@@ -101,6 +101,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(every head's keys and values, 53x more memory)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="prompt tokens one forward pass reads (a multiple of 16; default 256, see docs/TUNING.md)")
+    p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
+                   help="more folders holding the checkpoint's shards (one per drive); the index in MODEL names "
+                        "them, each is looked for in MODEL, then in these in order; each drive gets its own readers")
     p.add_argument("--allow-zero-weights", action="store_true",
                    help="run even when weights read as zeros (an unfinished download; refused by default, exit 3)")
     p.add_argument("--verbose", "-v", action="store_true",

@@ -18,6 +18,8 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", help="model folder to check (optional)")
+    p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
+                   help="more folders holding the checkpoint's shards (one per drive); each is probed")
     p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
     p.add_argument("--no-probe", action="store_true", help="skip the storage probe")
     p.add_argument("--probe-seconds", type=float, default=8.0, help="time for the storage probe (default 8)")
@@ -34,7 +36,7 @@ def run(args) -> int:
     if args.probe_dir and not Path(args.probe_dir).is_dir():
         raise UsageError(f"--probe-dir {args.probe_dir}: not a folder.")
     rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
-                     probe_dir=args.probe_dir)
+                     probe_dir=args.probe_dir, model_dirs=args.model_dirs)
     if args.json:
         print(json.dumps(rep.as_dict(), indent=1, default=str))
     else:

@@ -224,7 +224,7 @@ def run(args) -> int:
     report = CompileReport()
     try:
         eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights,
+                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                    config=args.config, max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1,
                    kv_cache=args.incremental, trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv,
                    prefill_chunk=args.prefill_chunk, log=log, progress=lambda i: line.update("loading", i + 1, n_layers),
@@ -481,7 +481,7 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
     report = CompileReport()
     try:
         eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights,
+                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                    config=args.config, max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs),
                    max_batch=width, kv_cache=args.incremental, spec=args.spec, kv=args.kv,
                    prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,

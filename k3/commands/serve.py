@@ -115,7 +115,7 @@ def run(args) -> int:
     if launch is not None and launch[0]:  # a pipeline rank other than 0: rank 0 serves HTTP, this one its layers
         set_threads(args.threads)
         return load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                    allow_zero_weights=args.allow_zero_weights,
+                    allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                     config=args.config, max_context=args.max_context, max_batch=args.max_batch, **kw).serve_stage()
     cfg = load_config(args.config or args.model)
     if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
@@ -141,7 +141,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         report = CompileReport()
         sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers,
-                                       allow_zero_weights=args.allow_zero_weights,
+                                       allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                                        pipeline_timeout=args.pipeline_timeout, config=args.config,
                                        max_context=args.max_context, max_batch=args.max_batch, log=say,
                                        notice=report.notice, compile_progress=report.progress, **kw),

@@ -40,6 +40,7 @@ read_seconds (wall time of the parallel read phase) and retention = requests - e
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import weakref
@@ -272,7 +273,8 @@ class ExpertCache:
         self._loc: dict[tuple[int, int], ExpertLocation] = {}
         self._count = [0] * self.n_layers                # each layer's published experts
         self._every: list = [None] * self.n_layers       # resident_layer's set, while it holds
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[int, ThreadPoolExecutor] = {}  # one per drive (st_dev): shards spread over drives
+        self._dev: dict[str, int] = {}
         self._busy = threading.Lock()
         self._run = _Stats()
         self._step = _Stats()
@@ -436,12 +438,11 @@ class ExpertCache:
         t0 = time.perf_counter()
         futures = []
         try:
-            if self.io_threads == 1 or len(jobs) == 1:
+            devs = [self._device(loc.file) for loc, _ in jobs]
+            if len(jobs) == 1 or (self.io_threads == 1 and len(set(devs)) == 1):
                 results = [self._read_job(j) for j in jobs]
             else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="k3-expert-io")
-                futures = [self._pool.submit(self._read_job, j) for j in jobs]
+                futures = [self._pool(d).submit(self._read_job, j) for d, j in zip(devs, jobs)]
                 results = [f.result() for f in futures]
         except BaseException:
             # Interrupted (Ctrl-C) before publishing: let reads still running finish into
@@ -492,6 +493,25 @@ class ExpertCache:
                 f"EXPERT READ FAILED: layer {layer} expert {loc.expert} (file {loc.file}, offset "
                 f"{loc.offset}, {loc.nbytes} bytes): {err}{more} The step is aborted; no output "
                 f"from it is valid.") from err
+
+    def _device(self, path: str) -> int:
+        d = self._dev.get(path)
+        if d is None:
+            try:
+                d = os.stat(path).st_dev
+            except OSError:
+                d = -1  # the read reports what is wrong
+            self._dev[path] = d
+        return d
+
+    def _pool(self, dev: int) -> ThreadPoolExecutor:
+        """The readers of one drive: io_threads each, so N drives read N times as many
+        experts at once."""
+        pool = self._pools.get(dev)
+        if pool is None:
+            pool = self._pools[dev] = ThreadPoolExecutor(max_workers=self.io_threads,
+                                                         thread_name_prefix=f"k3-expert-io-{len(self._pools)}")
+        return pool
 
     def _slot_array(self, slot: int) -> np.ndarray:
         s = self._slot_bytes
@@ -573,9 +593,9 @@ class ExpertCache:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop the I/O threads (and close the reader if the cache opened it)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools = {}
         if self._own_reader:
             self.reader.close()
 

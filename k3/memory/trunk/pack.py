@@ -196,7 +196,7 @@ def _windows(reader: ShardFiles, paths: dict, L: TrunkLayer, bufs, rbuf, pool):
         yield w0, w1, buf
 
 
-def verify_trunk(model_dir, out_dir, progress=None, *, config_path=None) -> list[int]:
+def verify_trunk(model_dir, out_dir, progress=None, *, config_path=None, model_dirs=()) -> list[int]:
     """Re-hash every byte of the packed trunk in ``out_dir``, rebuilt from the shards and
     read from trunk.bin, against the hashes recorded when packing. Returns the layers
     that differ (empty: all good). When all match, the shards' current identities
@@ -205,7 +205,7 @@ def verify_trunk(model_dir, out_dir, progress=None, *, config_path=None) -> list
     from ...config import load_config
 
     cfg = load_config(config_path if config_path is not None else Path(model_dir))
-    index = CheckpointIndex.open(model_dir)
+    index = CheckpointIndex.open(model_dir, model_dirs)
     d = str(Path(out_dir).resolve())
     trunk = PackedTrunk.open(d, cfg, index, verify_samples=False, check_identity=False)
     say = (lambda m: None) if progress is False else (progress if callable(progress) else
@@ -242,7 +242,7 @@ def verify_trunk(model_dir, out_dir, progress=None, *, config_path=None) -> list
 
 
 def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bool = False,
-               restart: bool = False) -> Path:
+               restart: bool = False, model_dirs=()) -> Path:
     """Pack the checkpoint's dense trunk into ``out_dir`` (trunk.bin + trunk.json).
 
     ``progress``: None (a rich bar on a terminal stderr, plain lines otherwise),
@@ -252,7 +252,7 @@ def pack_trunk(model_dir, out_dir, progress=None, *, config_path=None, force: bo
     from ...config import load_config
 
     cfg = load_config(config_path if config_path is not None else Path(model_dir))
-    index = CheckpointIndex.open(model_dir)
+    index = CheckpointIndex.open(model_dir, model_dirs)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     d = str(out)
