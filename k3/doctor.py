@@ -547,7 +547,7 @@ def next_steps(rep: Report, model: Path | None, facts: ModelFacts | None, preset
 
 def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float = 8.0,
                probe_dir=None, read_size: int | None = None, scratch_bytes: int = 512 << 20,
-               model_dirs=()) -> Report:
+               model_dirs=(), project: dict | None = None) -> Report:
     rep = Report()
     check_python(rep)
     check_cpu(rep)
@@ -570,5 +570,37 @@ def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float 
             if other is not None:
                 rep.data.setdefault("storage_dirs", {})[str(d)] = other.as_dict()
     preset, resident = estimate(rep, mem, facts, res)
+    if project is not None:
+        projection(rep, facts, res, project)
     next_steps(rep, model_p, facts, preset, resident)
     return rep
+
+
+def projection(rep: Report, facts: ModelFacts | None, probe, opts: dict) -> None:
+    """The --project table (k3.projection)."""
+    from . import projection as pj
+    from .memory.sysmem import baseline_bytes
+    from .warmup import KERNELS_BYTES
+
+    lines = rep.section("projection")
+    if facts is not None and facts.ok and facts.sizes is not None:
+        cfg, sizes, what = facts.cfg, facts.sizes, "this model"
+    else:
+        cfg, sizes = pj.release_model()
+        what = "the released K3 (93 layers, 896 experts, 108.81 GB trunk)"
+    if opts.get("disk_gbps"):
+        seq = rnd = opts["disk_gbps"] * 1e9
+        src = f"storage given: {opts['disk_gbps']:g} GB/s"
+    elif probe is not None and probe.seq_rate and probe.random:
+        seq, rnd = probe.seq_rate, max(probe.random.values()) * 1e6
+        src = "storage probed here (random at its best queue depth)"
+    else:
+        lines.append("no storage rate: run the probe (without --no-probe) or give --disk-gbps")
+        return
+    bf16, mx = pj.calibrate()
+    rates = pj.Rates(seq, rnd, bf16, mx, f"{src}; kernels measured here")
+    rows = pj.project(cfg, sizes, rates, opts["ram"], baseline=baseline_bytes() + KERNELS_BYTES,
+                      acceptance=opts["acceptance"], trunk_gb=opts.get("trunk_gb"), cache_gb=opts.get("cache_gb"))
+    lines.extend(pj.render(rows, what, rates, opts["acceptance"]))
+    rep.data["projection"] = {"model": what, "rates": {"sequential": seq, "random": rnd, "bf16": bf16, "mxfp4": mx},
+                              "acceptance": opts["acceptance"], "rows": pj.as_dicts(rows)}

@@ -462,8 +462,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(srv):
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
     assert [m.id for m in c.models.list().data] == ["tiny"]
-    assert http("GET", u + "/health") == (200, {"status": "ok", "model": "tiny", "active": 0, "queued": 0,
-                                                "max_batch": 8, "max_queue": 64})
+    code, health = http("GET", u + "/health")
+    read = health.pop("read_per_token")
+    assert (code, health) == (200, {"status": "ok", "model": "tiny", "active": 0, "queued": 0, "max_batch": 8,
+                                    "max_queue": 64})
+    assert read["priced_for_batch"] == 8 and read["planned"] >= 0 and read["pass_cost"]["passes"] > 0
 
 
 def test_api_key(srv1):

@@ -18,6 +18,17 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", help="model folder to check (optional)")
+    p.add_argument("--project", action="store_true",
+                   help="project bytes and seconds per token for the released K3 (or MODEL) at several memory sizes, "
+                        "plain, batch 8 and --spec 4, from this machine's measured storage and kernels")
+    p.add_argument("--ram", default=None, metavar="GB,...",
+                   help="memory sizes for --project (default 8,16,32,64,128,224)")
+    p.add_argument("--disk-gbps", type=float, default=None, metavar="X",
+                   help="--project with this storage rate (GB/s, sequential and random) instead of the probe's")
+    p.add_argument("--acceptance", type=float, default=None,
+                   help="--project: the chance a draft is right, per drafted token (default 0.7)")
+    p.add_argument("--trunk-gb", type=float, default=None, help="--project: fix the trunk budget, as k3 run does")
+    p.add_argument("--cache-gb", type=float, default=None, help="--project: fix the expert cache, as k3 run does")
     p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
                    help="more folders holding the checkpoint's shards (one per drive); each is probed")
     p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
@@ -35,8 +46,26 @@ def run(args) -> int:
         raise UsageError(f"--probe-seconds must be > 0, got {args.probe_seconds}.")
     if args.probe_dir and not Path(args.probe_dir).is_dir():
         raise UsageError(f"--probe-dir {args.probe_dir}: not a folder.")
+    project = None
+    if args.project:
+        from ..projection import DEFAULT_ACCEPTANCE, DEFAULT_RAM_GB
+        try:
+            ram = [float(x) for x in args.ram.split(",")] if args.ram else list(DEFAULT_RAM_GB)
+        except ValueError:
+            raise UsageError(f"--ram takes memory sizes in GB separated by commas, got {args.ram!r}.") from None
+        if not ram or not all(0 < x < 1e5 for x in ram):
+            raise UsageError(f"--ram sizes must be positive GB figures, got {args.ram!r}.")
+        acc = DEFAULT_ACCEPTANCE if args.acceptance is None else args.acceptance
+        if not 0 <= acc <= 1:
+            raise UsageError(f"--acceptance is a chance between 0 and 1, got {acc}.")
+        if args.disk_gbps is not None and not args.disk_gbps > 0:
+            raise UsageError(f"--disk-gbps must be > 0, got {args.disk_gbps}.")
+        project = {"ram": ram, "acceptance": acc, "disk_gbps": args.disk_gbps, "trunk_gb": args.trunk_gb,
+                   "cache_gb": args.cache_gb}
+    elif any(v is not None for v in (args.ram, args.disk_gbps, args.acceptance, args.trunk_gb, args.cache_gb)):
+        raise UsageError("--ram, --disk-gbps, --acceptance, --trunk-gb and --cache-gb shape --project; add --project.")
     rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
-                     probe_dir=args.probe_dir, model_dirs=args.model_dirs)
+                     probe_dir=args.probe_dir, model_dirs=args.model_dirs, project=project)
     if args.json:
         print(json.dumps(rep.as_dict(), indent=1, default=str))
     else:

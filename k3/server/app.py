@@ -171,10 +171,14 @@ class Server:
     async def health(self, request):
         s = self.sched
         ok = not s.draining and s.error is None
-        return JSONResponse({"status": "ok" if ok else "draining" if s.error is None else "failed",
-                             "model": self.ctx.name, "active": s.active, "queued": s.queued,
-                             "max_batch": self.metrics.gauges["max_batch"], "max_queue": s.max_queue},
-                            status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "draining" if s.error is None else "failed",
+                "model": self.ctx.name, "active": s.active, "queued": s.queued,
+                "max_batch": self.metrics.gauges["max_batch"], "max_queue": s.max_queue}
+        eng = s.engine
+        if eng is not None:  # what a pass costs: the plan's price for its batch, and what the passes so far taught
+            body["read_per_token"] = {"planned": eng.plan.read_per_token, "priced_for_batch": eng.plan.sequences,
+                                      "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request):
         return PlainTextResponse(self.metrics.render(self.ctx.name), media_type="text/plain; version=0.0.4")
