@@ -364,7 +364,7 @@ def check_model(rep: Report, model: Path, trunk: Path | None, extra_dirs=()) -> 
     if trunk is not None and not trunk.is_dir():
         rep.warnings.append(f"--trunk {trunk}: no such folder.")
     if facts.trunk_dir.is_dir() and (facts.trunk_dir / "trunk.json").is_file():
-        facts.trunk_state = _check_trunk(rep, facts.trunk_dir, cfg, model, bad or missing)
+        facts.trunk_state = _check_trunk(rep, facts.trunk_dir, cfg, model, bad or missing, extra_dirs)
         lines.append(f"packed trunk: {facts.trunk_dir} ({facts.trunk_state})")
     else:
         lines.append(f"packed trunk: none at {facts.trunk_dir}")
@@ -372,7 +372,7 @@ def check_model(rep: Report, model: Path, trunk: Path | None, extra_dirs=()) -> 
     return facts
 
 
-def _check_trunk(rep: Report, tdir: Path, cfg, model: Path, shards_broken) -> str:
+def _check_trunk(rep: Report, tdir: Path, cfg, model: Path, shards_broken, extra_dirs=()) -> str:
     if cfg is None or shards_broken:
         return "unchecked (the model folder has problems)"
     try:

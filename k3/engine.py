@@ -18,6 +18,7 @@ conversation (:class:`k3.chat.ChatSession`) on the same loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -794,7 +795,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                      prefill_chunk=prefill_chunk)
         eng.tokenizer_error = tok_error
         eng.kernels = kernels
-        eng.pass_cost = PassCost(planner.pass_shape(sizes, plan.trunk, plan.cache_slots, plan.stream_tables))
+        shape = planner.pass_shape(sizes, plan.trunk, plan.cache_slots, plan.stream_tables)
+        if stage is not None:  # the counters it learns from are every rank's: so are the MoE layers
+            n = layers or cfg.num_hidden_layers
+            shape = dataclasses.replace(shape, moe_layers=sum(1 for i in range(n) if cfg.is_moe(i)))
+        eng.pass_cost = PassCost(shape)
         if stage is not None:
             eng.pipeline = stage
             if stage.rank == 0:

@@ -107,8 +107,10 @@ class Drafter:
         """The draft for the sequence's next tokens (at most ``limit``), to be scored
         against the tokens that follow whether or not it is read."""
         d = self.draft()[:self.n if limit is None else max(0, limit)]
+        at = len(self.seq.ids)
+        self._open = [o for o in self._open if o[0] < at]  # a pass undone and stepped again drafts here anew
         if d:
-            self._open.append((len(self.seq.ids), d))
+            self._open.append((at, d))
         return d
 
     def draft(self) -> list[int]:

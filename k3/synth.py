@@ -56,6 +56,7 @@ import re
 import shutil
 import time
 from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -66,7 +67,7 @@ import torch
 from .checkpoint.safetensors import INDEX_NAME
 from .checkpoint.writer import safetensors_layout
 from .config import ModelConfig, parse_config
-from .errors import UsageError
+from .errors import EXIT_RUNTIME, K3Error, UsageError
 from .fsutil import atomic_write
 from .units import human
 from .model.schema import expert_specs, global_specs, layer_specs
@@ -914,6 +915,7 @@ _PIECE = 128 << 20
 # Below this many bytes in all, one process draws everything (spawning workers costs
 # more than it saves).
 PARALLEL_FROM = 1 << 30
+WORKER_BYTES = 1 << 30
 
 _WORKER_PLAN: SynthPlan | None = None
 
@@ -976,11 +978,11 @@ def _write_shard(path: Path, plan: SynthPlan, k: int, pool, fsync: bool) -> None
         os.ftruncate(f.fileno(), start + plan.shard_bytes(k))
         parts = _pieces(tensors)
         if pool is None or len(parts) < 2:
-            for lo, hi in parts:
-                _write_piece(f.name, k, lo, hi, where, plan)
+            n = sum(_write_piece(f.name, k, lo, hi, where, plan) for lo, hi in parts)
         else:
-            for fut in [pool.submit(_write_piece, f.name, k, lo, hi, where) for lo, hi in parts]:
-                fut.result()
+            n = sum(fut.result() for fut in [pool.submit(_write_piece, f.name, k, lo, hi, where) for lo, hi in parts])
+        if n != plan.shard_bytes(k):  # the drawn tensors are not the planned layout: a bug, never a silent gap
+            raise AssertionError(f"{path.name}: wrote {n} bytes of tensors, the plan has {plan.shard_bytes(k)}")
 
     atomic_write(path, body, what="the shard", fsync=fsync)
 
@@ -997,6 +999,8 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     files unless `force`. `progress` receives one line per written shard. The index is
     written last."""
     t_start = time.perf_counter()
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise UsageError(f"synth: --workers must be a positive integer, got {workers!r}.")
     plan = make_plan(preset, arch, seed, layers, experts, vocab)
     out = Path(out_dir)
     _prepare_dir(out, force)
@@ -1019,8 +1023,13 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     # plan), so memory holds a few pieces, never a shard, and workers draw in parallel.
     if workers is None:
         workers = (os.cpu_count() or 1) if need >= PARALLEL_FROM else 1
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise UsageError(f"synth: --workers must be a positive integer, got {workers!r}.")
+        from .memory.sysmem import meminfo
+        try:
+            avail = meminfo()["MemAvailable"]
+        except K3Error:  # no /proc/meminfo: as many workers as cores
+            avail = None
+        if avail:  # a worker holds torch and a few pieces: about WORKER_BYTES
+            workers = max(1, min(workers, avail // WORKER_BYTES))
     pool = None
     if workers > 1:
         import multiprocessing
@@ -1034,7 +1043,11 @@ def synthesize(out_dir, preset: str = "tiny", arch: str = "k3", seed: int = 0, l
     try:
         for k, fname in enumerate(plan.shard_names):
             t0 = time.perf_counter()
-            _write_shard(out / fname, plan, k, pool, fsync)
+            try:
+                _write_shard(out / fname, plan, k, pool, fsync)
+            except BrokenProcessPool:
+                raise K3Error(f"synth: a worker process drawing {fname} died (out of memory?); nothing of that shard "
+                              f"was kept. Run again with --workers 1, or with fewer workers.", EXIT_RUNTIME) from None
             nb = plan.shard_bytes(k)
             written += nb
             for it in plan.shards[k]:

@@ -213,11 +213,6 @@ def run_job(name: str) -> None:
             _RUN[name]()
 
 
-def run_jobs(names) -> None:
-    for n in names:
-        run_job(n)
-
-
 # ---------------------------------------------------------------- helpers
 def share(names: list[str], workers: int) -> list[list[str]]:
     """``names`` shared out over ``workers`` lists, longest job first to the least
@@ -265,7 +260,8 @@ def compile_in_helpers(names: list[str], workers: int, progress=None) -> dict:
     # the helpers import this k3, wherever it was imported from
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    procs = [subprocess.Popen([sys.executable, "-c", _HELPER, *part], stdout=subprocess.PIPE,
+    # -P: the current folder is not put on sys.path, so a k3/ folder there cannot stand in for this one
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", _HELPER, *part], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env, text=True) for part in parts]
     sel = selectors.DefaultSelector()
     errs = {p.pid: [] for p in procs}

@@ -67,12 +67,17 @@ def test_a_shard_found_nowhere_names_every_folder(spread):
     assert r.returncode == 2 and "--model-dirs" in r.stderr
 
 
-def test_the_doctor_probes_every_folder(spread):
+def test_the_doctor_probes_every_folder(spread, tmp_path):
     _, split, other = spread
-    r = subprocess.run([sys.executable, "-m", "k3", "doctor", str(split), "--model-dirs", str(other),
-                        "--probe-seconds", "0.3", "--json"], cwd=ROOT, capture_output=True, text=True)
+    t = subprocess.run([sys.executable, "-m", "k3", "pack-trunk", str(split), str(tmp_path / "t"), "--model-dirs",
+                        str(other)], cwd=ROOT, capture_output=True, text=True)
+    assert t.returncode == 0, t.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "k3", "doctor", str(split), "--model-dirs", str(other), "--trunk",
+                        str(tmp_path / "t"), "--probe-seconds", "0.3", "--json"], cwd=ROOT, capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)
     assert "storage" in rep and str(other) in rep["storage_dirs"]
     assert f"storage probe ({other})" in rep["sections"]
     assert not rep["blocking"]
+    assert any("(current)" in line for line in rep["sections"][f"model {split}"]), rep["sections"]

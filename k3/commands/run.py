@@ -404,6 +404,7 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
         "sampling": ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                       "seed": sampling.seed} if sampling is not None else "greedy"),
         "spec": spec,
+        "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None,
         "pipeline": _pipeline_report(eng, cfg, steps),
     }
 
@@ -541,7 +542,8 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
                   "trunk": st["trunk"], "sampling": "greedy" if sampling is None else {
                       "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                       "seed": sampling.seed},
-                  "pipeline": eng.pipeline.describe(cfg) if eng.pipeline is not None else None}
+                  "pipeline": eng.pipeline.describe(cfg) if eng.pipeline is not None else None,
+                  "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None}
         if args.out:
             atomic_write_json(args.out, result, what="the run result")
             err(f"wrote {args.out}")

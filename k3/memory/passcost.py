@@ -180,23 +180,30 @@ class PassCost:
 
     @property
     def timed(self) -> bool:
-        """Whether a one-token pass has been timed (seconds() predicts nothing before)."""
-        return 1 in self.outside
+        """Whether a pass has been timed (seconds() predicts nothing before)."""
+        return bool(self.outside)
 
     def outside_seconds(self, T: int) -> float | None:
         """A pass of T tokens' seconds outside its expert reads: as timed, else
-        interpolated between the nearest timed sizes, else extrapolated."""
-        if 1 not in self.outside:
+        interpolated between the nearest timed sizes, else extrapolated from the nearest
+        by SLOPE_PRIOR of a one-token pass per token (a batch that never runs one token
+        alone estimates that from its smallest pass)."""
+        if not self.outside:
             return None
         if T in self.outside:
             return self.outside[T].value
-        lo = max(n for n in self.outside if n < T) if T > 1 else 1
-        above = [n for n in self.outside if n > T]
-        if above:
-            hi = min(above)
+        sizes = sorted(self.outside)
+        n0 = sizes[0]
+        one = self.outside[1].value if 1 in self.outside else self.outside[n0].value / (1 + SLOPE_PRIOR * (n0 - 1))
+        below = [n for n in sizes if n < T]
+        above = [n for n in sizes if n > T]
+        if below and above:
+            lo, hi = below[-1], above[0]
             a, b = self.outside[lo].value, self.outside[hi].value
             return a + (b - a) * (T - lo) / (hi - lo)
-        return self.outside[lo].value + SLOPE_PRIOR * self.outside[1].value * (T - lo)
+        if below:
+            return self.outside[below[-1]].value + SLOPE_PRIOR * one * (T - below[-1])
+        return max(0.0, self.outside[n0].value - SLOPE_PRIOR * one * (n0 - T))
 
     def seconds(self, groups: Sequence[int]) -> float | None:
         """Predicted seconds of a pass: its time outside expert reads, plus its expert
@@ -223,7 +230,7 @@ class PassCost:
         if req:
             self.hit.add(hits / req)
             per_layer = req / s.moe_layers if s.moe_layers else 0.0
-            if len(groups) == 1 and T > 1 and T <= 64:  # one sequence's consecutive tokens
+            if len(groups) == 1 and 1 < T <= MAX_TIMED:  # one sequence's consecutive tokens
                 self._seq_pool.add(math.log(pool_for(T, k, per_layer, s.experts)))
             elif len(groups) > 1 and all(n == 1 for n in groups):  # one token from each sequence
                 self._batch_pool.add(math.log(pool_for(T, k, per_layer, s.experts)))
@@ -254,7 +261,7 @@ def drafts_to_read(cost: PassCost, others: Sequence[int], emitted_others: float,
     """How many of ``offered`` drafts one sequence should have read in a pass whose other
     sequences read ``others`` tokens and are expected to emit ``emitted_others``: the j
     that maximises the pass's expected tokens per predicted second; 0 (draft nothing)
-    while no one-token pass has been timed or where no draft pays for itself."""
+    while no pass has been timed or where no draft pays for itself."""
     if offered <= 0 or not cost.timed:
         return 0
     best_j, best = 0, None

@@ -71,11 +71,25 @@ def where() -> str | None:
     return _DIR
 
 
+def _stamp() -> str:
+    """What numba's cache index checks beside the code: the source files' place and their
+    modification times and sizes. A fresh clone, another venv or a checkout that touched
+    the files gets new markers, so the run knows it will compile (and says so)."""
+    h = hashlib.sha256(str(_PKG).encode())
+    for rel in KERNEL_SOURCES:
+        try:
+            st = (_PKG / rel).stat()
+            h.update(f"|{rel}:{st.st_mtime_ns}:{st.st_size}".encode())
+        except OSError:
+            h.update(f"|{rel}:?".encode())
+    return h.hexdigest()[:12]
+
+
 def _marker(job: str) -> Path | None:
     if _DIR is None:
         return None
     import numba
-    return Path(_DIR) / "jobs" / f"{job}.numba-{numba.__version__}"
+    return Path(_DIR) / "jobs" / f"{job}.numba-{numba.__version__}.{_stamp()}"
 
 
 def missing(jobs) -> list[str]:
