@@ -592,8 +592,10 @@ def projection(rep: Report, facts: ModelFacts | None, probe, opts: dict) -> None
         seq = rnd = opts["disk_gbps"] * 1e9
         src = f"storage given: {opts['disk_gbps']:g} GB/s"
     elif probe is not None and probe.seq_rate and probe.random:
-        seq, rnd = probe.seq_rate, max(probe.random.values()) * 1e6
-        src = "storage probed here (random at its best queue depth)"
+        # at queue depth 4 where probed: the ring and the expert loader each keep 4 reads in flight
+        seq = probe.sequential.get(4, 0) * 1e6 or probe.seq_rate
+        rnd = probe.random_rate
+        src = "storage probed here at queue depth 4, as k3's readers issue"
     else:
         lines.append("no storage rate: run the probe (without --no-probe) or give --disk-gbps")
         return

@@ -51,7 +51,7 @@ def test_projected_reads_never_exceed_the_c_engines(k3_release):
     assert big.plain_gb_per_token * 1e9 == pytest.approx(sizes.moe_layers * 16 * sizes.expert_bytes * miss, rel=1e-6)
     # seconds follow the stated rates: at 8 GB the streamed trunk at 4.6 GB/s bounds a token
     r8 = rows[0]
-    assert r8.plain_s_per_token > (sizes.trunk_bytes - r8.pinned_gb * 1e9) / 4.6e9
+    assert r8.plain_s_per_token >= (sizes.trunk_bytes - r8.pinned_gb * 1e9) / 4.6e9
     # speculation at 70 %: fewer seconds a token where reads dominate
     assert r8.spec_drafts >= 1 and r8.spec_s_per_token < r8.plain_s_per_token
 
