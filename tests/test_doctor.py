@@ -63,9 +63,14 @@ def test_complete_model(model):
     assert "tokenizer: 1024 ranks + 256 specials; chat format: K3 XTML" in text
     assert "packed trunk: none" in text and "fits in memory" in text
     assert [c for c, _ in rep.next_steps][-1] == f"k3 chat {model}"
-    args = argparse.Namespace(model=str(model), trunk=None, no_probe=True, probe_seconds=1.0, probe_dir=None,
-                              json=False)
-    assert doctor_cmd.run(args) == 0
+    assert doctor_cmd.run(_args(str(model), "--no-probe", "--probe-seconds", "1")) == 0
+
+
+def _args(*argv) -> argparse.Namespace:
+    """`k3 doctor`'s arguments as its own parser makes them."""
+    p = argparse.ArgumentParser()
+    doctor_cmd.add_arguments(p)
+    return p.parse_args(list(argv))
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -82,8 +87,7 @@ def test_missing_and_truncated_shards(model, tmp_path, capsys):
                for b in rep.blocking)
     assert "no estimate" in rep.render()
     assert rep.next_steps[0][0].startswith("hf download REPO model-00003-of-000010.safetensors --local-dir")
-    args = argparse.Namespace(model=str(d), trunk=None, no_probe=True, probe_seconds=1.0, probe_dir=None, json=True)
-    assert doctor_cmd.run(args) == 1
+    assert doctor_cmd.run(_args(str(d), "--no-probe", "--probe-seconds", "1", "--json")) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["blocking"] and out["next"][-1] == f"k3 doctor {d}"
     shard = d / "model-00005-of-000010.safetensors"
