@@ -5,7 +5,8 @@ histories), ``K3_PIN_PREFIX=1`` (pin trunk layers as a prefix, the C engine's v1
 order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for the
 expert arena), ``K3_DEBUG=1`` (show tracebacks) and ``K3_SPEC_EVERY_DRAFT=1`` (speculative
 decoding reads every draft it finds, as before the pass cost model weighed them; for
-A/B runs). ``K3_TEST_FAULT`` injects read
+A/B runs) and ``K3_EXPERT_STREAM=0`` (a layer's experts are multiplied once all its
+missing ones are read, instead of each as its read completes; for A/B runs). ``K3_TEST_FAULT`` injects read
 failures for the tests of the failure path.
 
 Under ``torchrun`` (a pipeline over several processes, k3.pipeline) k3 reads the
@@ -32,6 +33,10 @@ def pin_order() -> str:
 
 def hugepages() -> bool:
     return os.environ.get("K3_NOHUGE") is None
+
+
+def expert_stream() -> bool:
+    return os.environ.get("K3_EXPERT_STREAM", "1") != "0"
 
 
 def spec_every_draft() -> bool:

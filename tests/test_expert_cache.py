@@ -252,6 +252,31 @@ def test_groups_hand_out_every_id_once_in_bounded_groups(lay, truth):
         assert list(c.groups(0, [])) == []
 
 
+def test_streamed_groups_hand_out_hits_first_then_each_read_as_it_completes(lay, truth):
+    """stream=True: the cached experts of a group at once (the reads of the others
+    already started), then each missing one alone; every id once, bytes right, the
+    accounting as without streaming; a stream left early hands every unpublished slot
+    back and frees the cache for the next call."""
+    with cache(lay, 6, io_threads=3) as c:
+        c.experts(0, [1, 2])
+        pieces = list(c.groups(0, [2, 7, 1, 8, 9], stream=True))
+        assert list(pieces[0]) == [2, 1] and all(len(p) == 1 for p in pieces[1:])
+        assert sorted(e for p in pieces[1:] for e in p) == [7, 8, 9]
+        for p in pieces:
+            check(p, truth, lay)
+        st = c.stats()
+        assert (st["requests"], st["hits"], st["misses"], st["reads"]) == (7, 2, 5, 5)
+        accounting(st)
+        assert [list(g) for g in c.groups(0, [7, 8], stream=True)] == [[7, 8]]  # all cached: one group
+        g = c.groups(0, [10, 11, 12, 13], stream=True)
+        first = next(g)
+        check(first, truth, lay)
+        g.close()  # the consumer went away with three reads in flight or unpublished
+        assert c.resident_count <= 6 and c._busy.acquire(blocking=False)
+        c._busy.release()
+        check(c.experts(0, [10, 11, 12, 13, 14]), truth)  # no slot was lost
+
+
 def test_step_statistics(lay):
     with cache(lay, 6) as c:
         c.experts(0, [0, 1, 2])
@@ -399,10 +424,11 @@ class CachedProvider:
     """Trunk and globals from the reference engine's provider (trunk held in RAM), routed
     experts from an ExpertCache of its own."""
 
-    def __init__(self, resident, cache):
+    def __init__(self, resident, cache, stream=False):
         self.config = resident.config
         self.r = resident
         self.cache = cache
+        self.stream = stream
 
     def global_weight(self, name):
         return self.r.global_weight(name)
@@ -417,7 +443,7 @@ class CachedProvider:
         pass
 
     def expert_groups(self, i, ids):
-        return self.cache.groups(i, ids)
+        return self.cache.groups(i, ids, stream=self.stream)
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +471,8 @@ def test_synth_layout_is_contiguous_and_quantized(tiny):
 
 
 @pytest.mark.parametrize("slots", ["min", 9, "all"])
-def test_logits_bit_identical_to_resident(tiny, slots):
+@pytest.mark.parametrize("stream", [False, True])
+def test_logits_bit_identical_to_resident(tiny, slots, stream):
     res = tiny.provider
     ref_model = tiny.model
     lay = res.layout
@@ -453,7 +480,7 @@ def test_logits_bit_identical_to_resident(tiny, slots):
     n = {"min": topk + 1, "all": 10**6}.get(slots, slots)
     c = ExpertCache(lay, expert_cache_slots(model_sizes(lay), n * expert_slot_bytes(lay)), io_threads=3)
     assert c.n_slots == min(n, sum(lay.cfg.is_moe(i) for i in range(lay.n_layers)) * lay.cfg.num_experts)
-    m = Model(CachedProvider(res, c))
+    m = Model(CachedProvider(res, c, stream))
     # full recompute, twice (the second pass runs on a warm cache)
     ref = ref_model.forward(PROMPT, last_only=False)
     for _ in range(2):

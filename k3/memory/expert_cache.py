@@ -46,7 +46,7 @@ import time
 import weakref
 from array import array
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol, Sequence
@@ -213,6 +213,20 @@ _COUNTERS = ("requests", "hits", "misses", "evictions", "reads", "failed_reads",
              "scattered_reads", "bytes_read", "io_bytes")
 
 
+@dataclass
+class _Reads:
+    """One call's reads in flight: (location, slot) jobs, their futures (None: read inline)
+    and which jobs have been settled (published, or their slot handed back)."""
+
+    jobs: list
+    futures: list | None
+    t0: float
+    settled: set = None
+
+    def __post_init__(self):
+        self.settled = set()
+
+
 class _Stats:
     __slots__ = _COUNTERS + ("read_seconds",)
 
@@ -344,6 +358,15 @@ class ExpertCache:
         layer = int(layer)
         ids = [int(e) for e in ids]
         uniq = list(dict.fromkeys(ids))
+        self._check_call(layer, uniq)
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        try:
+            return self._fetch(layer, ids, uniq)
+        finally:
+            self._busy.release()
+
+    def _check_call(self, layer: int, uniq: list) -> None:
         if len(uniq) > self.max_experts_per_call:
             raise ValueError(
                 f"{len(uniq)} experts requested in one call; this cache hands out at most "
@@ -353,22 +376,56 @@ class ExpertCache:
         if uniq and not (min(uniq) >= 0 and max(uniq) < self.n_experts):  # (two C calls, not a loop)
             bad = next(e for e in uniq if not 0 <= e < self.n_experts)
             raise ValueError(f"expert id {bad} out of range 0..{self.n_experts - 1}")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
-        try:
-            return self._fetch(layer, ids, uniq)
-        finally:
-            self._busy.release()
 
-    def groups(self, layer: int, ids: Sequence[int]):
+    def groups(self, layer: int, ids: Sequence[int], stream: bool = False):
         """Experts ``ids`` (distinct) of ``layer`` in groups of at most
-        ``max_experts_per_call``; each group's experts are valid until the next group."""
+        ``max_experts_per_call``; each group's experts are valid until the next group.
+
+        With ``stream``, a group whose experts are not all cached is handed out in
+        pieces: the cached ones at once, once the missing ones' reads have started, then
+        each missing one as its read completes, so its math can start while the others
+        are still being read. The pieces of one group stay valid until the next group."""
         ids = list(ids)
         step = self.max_experts_per_call
         for g in range(0, len(ids), step):
-            yield self.experts(layer, ids[g:g + step])
+            if stream:
+                yield from self._stream(layer, ids[g:g + step])
+            else:
+                yield self.experts(layer, ids[g:g + step])
+
+    def _stream(self, layer: int, ids: list):
+        layer = int(layer)
+        ids = [int(e) for e in ids]
+        uniq = list(dict.fromkeys(ids))
+        self._check_call(layer, uniq)
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        sub = None
+        try:
+            hits, missing = self._lookup(layer, ids, uniq)
+            if not missing:
+                yield hits
+                return
+            sub = self._submit(layer, missing, set(uniq))
+            if hits:
+                yield hits
+            for e, ew in self._collect(layer, sub):
+                yield {e: ew}
+            sub = None
+        finally:
+            if sub is not None:
+                self._abandon(sub)
+            self._busy.release()
 
     def _fetch(self, layer: int, ids: list, uniq: list) -> dict[int, ExpertWeights]:
+        out, missing = self._lookup(layer, ids, uniq)
+        if not missing:
+            return out                    # built in the order of uniq already
+        self._load(layer, missing, set(uniq), out)
+        return {e: out[e] for e in uniq}
+
+    def _lookup(self, layer: int, ids: list, uniq: list) -> tuple[dict, list]:
+        """The cached experts of a call (LRU touched) and the missing ones, counted."""
         run, step = self._run, self._step
         n_req = len(ids)
         if self.trace_enabled:
@@ -391,10 +448,7 @@ class ExpertCache:
             s.requests += n_req
             s.hits += n_req - n_miss
             s.misses += n_miss
-        if not missing:
-            return out                    # built in the order of uniq already
-        self._load(layer, missing, set(uniq), out)
-        return {e: out[e] for e in uniq}
+        return out, missing
 
     def _location(self, layer: int, e: int) -> ExpertLocation:
         key = (layer, e)
@@ -432,38 +486,40 @@ class ExpertCache:
         return slot
 
     def _load(self, layer: int, missing: list, call_ids: set, out: dict) -> None:
+        sub = self._submit(layer, missing, call_ids)
+        try:
+            for e, ew in self._collect(layer, sub):
+                out[e] = ew
+        except BaseException:
+            self._abandon(sub)
+            raise
+
+    def _submit(self, layer: int, missing: list, call_ids: set) -> "_Reads":
+        """Reserve a slot for each missing expert and start its read (on the drive's
+        reader pool; inline, one by one, when one reader would do)."""
         locs = [self._location(layer, e) for e in missing]  # may raise before anything is reserved
         jobs = [(loc, self._reserve(layer, call_ids)) for loc in locs]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset))
-        t0 = time.perf_counter()
-        futures = []
-        try:
-            devs = [self._device(loc.file) for loc, _ in jobs]
-            if len(jobs) == 1 or (self.io_threads == 1 and len(set(devs)) == 1):
-                results = [self._read_job(j) for j in jobs]
-            else:
-                futures = [self._pool(d).submit(self._read_job, j) for d, j in zip(devs, jobs)]
-                results = [f.result() for f in futures]
-        except BaseException:
-            # Interrupted (Ctrl-C) before publishing: let reads still running finish into
-            # their slots, then hand every reserved slot back as EMPTY, so no capacity is
-            # lost and no slot is written while someone else owns it.
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    try:
-                        f.result()
-                    except BaseException:
-                        pass
-            for _, slot in jobs:
-                self._key_of[slot] = None
-                self._empty.append(slot)
-            raise
-        dt = time.perf_counter() - t0
+        sub = _Reads(jobs, None, time.perf_counter())
+        devs = [self._device(loc.file) for loc, _ in jobs]
+        if not (len(jobs) == 1 or (self.io_threads == 1 and len(set(devs)) == 1)):
+            sub.futures = [self._pool(d).submit(self._read_job, j) for d, j in zip(devs, jobs)]
+        return sub
+
+    def _collect(self, layer: int, sub: "_Reads"):
+        """Publish each read as it completes and yield (expert, weights), in the order the
+        reads complete; a failed read's slot goes back EMPTY, and once every read is done
+        the first failure is raised (ReadError), the successful ones kept."""
         run, step = self._run, self._step
         failed = []
-        for (loc, slot), (err, io) in zip(jobs, results):
+        if sub.futures is None:
+            order = ((i, self._read_job(j)) for i, j in enumerate(sub.jobs))
+        else:
+            where = {f: i for i, f in enumerate(sub.futures)}
+            order = ((where[f], f.result()) for f in as_completed(sub.futures))
+        for i, (err, io) in order:
+            loc, slot = sub.jobs[i]
+            sub.settled.add(i)
             if err is not None:
                 self._key_of[slot] = None
                 self._empty.append(slot)
@@ -475,15 +531,16 @@ class ExpertCache:
             self._count[layer] += 1
             self._lru[key] = slot
             ew = self._weights[slot] = self._build(slot, loc)
-            out[loc.expert] = ew
-            for s in (run, step):
-                s.reads += 1
-                s.scattered_reads += not loc.contiguous
-                s.bytes_read += loc.nbytes
-                s.io_bytes += io
-        for s in (run, step):
-            s.read_seconds += dt
-            s.failed_reads += len(failed)
+            for st in (run, step):
+                st.reads += 1
+                st.scattered_reads += not loc.contiguous
+                st.bytes_read += loc.nbytes
+                st.io_bytes += io
+            yield loc.expert, ew
+        dt = time.perf_counter() - sub.t0
+        for st in (run, step):
+            st.read_seconds += dt
+            st.failed_reads += len(failed)
         if failed:
             loc, err = failed[0]
             if not isinstance(err, (ReadError, OSError)):
@@ -493,6 +550,25 @@ class ExpertCache:
                 f"EXPERT READ FAILED: layer {layer} expert {loc.expert} (file {loc.file}, offset "
                 f"{loc.offset}, {loc.nbytes} bytes): {err}{more} The step is aborted; no output "
                 f"from it is valid.") from err
+
+    def _abandon(self, sub: "_Reads") -> None:
+        """Interrupted (Ctrl-C, or the consumer of a stream went away) before every read was
+        published: let reads still running finish into their slots, then hand every slot
+        not yet published back as EMPTY, so no capacity is lost and no slot is written
+        while someone else owns it."""
+        for f in sub.futures or ():
+            f.cancel()
+        for f in sub.futures or ():
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+        for i, (_, slot) in enumerate(sub.jobs):
+            if i not in sub.settled:
+                sub.settled.add(i)
+                self._key_of[slot] = None
+                self._empty.append(slot)
 
     def _device(self, path: str) -> int:
         d = self._dev.get(path)

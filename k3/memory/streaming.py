@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .. import env
 from ..checkpoint.io import ShardFiles, load_tensor, load_tensors
 from ..checkpoint.layout import CheckpointLayout
 from ..model.schema import global_specs, layer_specs
@@ -135,7 +136,8 @@ class StreamingWeights:
             self.trunk.release_layer(i - self.first)
 
     def expert_groups(self, i, ids):
-        return self.cache.groups(i, ids)
+        # each missing expert's math starts when its read completes (K3_EXPERT_STREAM=0: after all)
+        return self.cache.groups(i, ids, stream=env.expert_stream())
 
     def resident_experts(self, i):
         return self.cache.resident_layer(i)
