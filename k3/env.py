@@ -6,10 +6,7 @@ order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for t
 expert arena), ``K3_DEBUG=1`` (show tracebacks) and ``K3_SPEC_EVERY_DRAFT=1`` (speculative
 decoding reads every draft it finds, as before the pass cost model weighed them; for
 A/B runs) and ``K3_EXPERT_STREAM=0`` (a layer's experts are multiplied once all its
-missing ones are read, instead of each as its read completes; for A/B runs) and
-``K3_EXPERT_HINT=1`` (the next-layer routing hint: with the trunk in RAM, a one-token
-pass starts reading the experts the next MoE layer's router picks for this layer's
-input; an experiment, off by default). ``K3_TEST_FAULT`` injects read
+missing ones are read, instead of each as its read completes; for A/B runs). ``K3_TEST_FAULT`` injects read
 failures for the tests of the failure path.
 
 Under ``torchrun`` (a pipeline over several processes, k3.pipeline) k3 reads the
@@ -36,10 +33,6 @@ def pin_order() -> str:
 
 def hugepages() -> bool:
     return os.environ.get("K3_NOHUGE") is None
-
-
-def expert_hint() -> bool:
-    return os.environ.get("K3_EXPERT_HINT", "") not in ("", "0")
 
 
 def expert_stream() -> bool:

@@ -277,30 +277,6 @@ def test_streamed_groups_hand_out_hits_first_then_each_read_as_it_completes(lay,
         check(c.experts(0, [10, 11, 12, 13, 14]), truth)  # no slot was lost
 
 
-def test_prefetch_is_never_a_hit_and_never_holds_a_slot(lay, truth):
-    """A hint's reads: published at the next call, an expert then asked for counts as a
-    miss served by the prefetch (reads + failed == misses still), an unused one only as
-    a prefetch read; nothing is prefetched inside a call, and close() settles it all."""
-    with cache(lay, 24, io_threads=2) as c:
-        c.experts(0, [1, 2])
-        assert c.prefetch(0, [2, 3, 4]) == 2  # 2 is cached: 3 and 4 are read
-        got = c.experts(0, [3, 5])
-        check(got, truth, lay)
-        st = c.stats()
-        assert (st["requests"], st["hits"], st["misses"]) == (4, 0, 4)
-        assert (st["prefetch_reads"], st["prefetch_used"], st["reads"]) == (2, 1, 4)
-        accounting(st)
-        check(c.experts(0, [4]), truth, lay)  # published by the prefetch: a miss, not a hit
-        assert c.stats()["hits"] == 0
-        g = c.groups(0, [6, 7], stream=True)
-        next(g)
-        assert c.prefetch(0, [8]) == 0  # inside a call
-        g.close()
-        assert c.prefetch(0, [8, 9]) == 2
-    # closed with the prefetch in flight: nothing left behind
-    assert not c._pending
-
-
 def test_step_statistics(lay):
     with cache(lay, 6) as c:
         c.experts(0, [0, 1, 2])

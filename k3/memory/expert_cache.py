@@ -210,7 +210,7 @@ def expert_slot_bytes(layout: ExpertSource) -> int:
 
 # --------------------------------------------------------------------- statistics
 _COUNTERS = ("requests", "hits", "misses", "evictions", "reads", "failed_reads",
-             "scattered_reads", "bytes_read", "io_bytes", "prefetch_reads", "prefetch_used")
+             "scattered_reads", "bytes_read", "io_bytes")
 
 
 @dataclass
@@ -290,8 +290,6 @@ class ExpertCache:
         self._pools: dict[int, ThreadPoolExecutor] = {}  # one per drive (st_dev): shards spread over drives
         self._dev: dict[str, int] = {}
         self._busy = threading.Lock()
-        self._pending: list = []  # (layer, _Reads) of prefetches not yet published
-        self._prefetched: set = set()  # published by a prefetch, not yet asked for
         self._run = _Stats()
         self._step = _Stats()
         self.steps = 0
@@ -364,7 +362,6 @@ class ExpertCache:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
         try:
-            self._settle()
             return self._fetch(layer, ids, uniq)
         finally:
             self._busy.release()
@@ -405,7 +402,6 @@ class ExpertCache:
             raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
         sub = None
         try:
-            self._settle()
             hits, missing = self._lookup(layer, ids, uniq)
             if not missing:
                 yield hits
@@ -439,7 +435,6 @@ class ExpertCache:
         out: dict[int, ExpertWeights] = {}
         missing: list[int] = []
         slot_of, weights, touch = self._slot_of, self._weights, self._lru.move_to_end
-        served = 0  # misses a prefetch had read: never counted as hits
         for e in uniq:
             key = (layer, e)
             slot = slot_of.get(key)
@@ -448,16 +443,11 @@ class ExpertCache:
             else:
                 touch(key)
                 out[e] = weights[slot]
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    served += 1
-        n_miss = len(missing) + served
+        n_miss = len(missing)
         for s in (run, step):
             s.requests += n_req
             s.hits += n_req - n_miss
             s.misses += n_miss
-            s.reads += served
-            s.prefetch_used += served
         return out, missing
 
     def _location(self, layer: int, e: int) -> ExpertLocation:
@@ -516,7 +506,7 @@ class ExpertCache:
             sub.futures = [self._pool(d).submit(self._read_job, j) for d, j in zip(devs, jobs)]
         return sub
 
-    def _collect(self, layer: int, sub: "_Reads", prefetch: bool = False):
+    def _collect(self, layer: int, sub: "_Reads"):
         """Publish each read as it completes and yield (expert, weights), in the order the
         reads complete; a failed read's slot goes back EMPTY, and once every read is done
         the first failure is raised (ReadError), the successful ones kept."""
@@ -542,16 +532,11 @@ class ExpertCache:
             self._lru[key] = slot
             ew = self._weights[slot] = self._build(slot, loc)
             for st in (run, step):
-                if prefetch:
-                    st.prefetch_reads += 1
-                else:
-                    st.reads += 1
+                st.reads += 1
                 st.scattered_reads += not loc.contiguous
                 st.bytes_read += loc.nbytes
                 st.io_bytes += io
             yield loc.expert, ew
-        if prefetch:  # a hint: a failed read is only a hint lost (its slot went back EMPTY)
-            return
         dt = time.perf_counter() - sub.t0
         for st in (run, step):
             st.read_seconds += dt
@@ -584,39 +569,6 @@ class ExpertCache:
                 sub.settled.add(i)
                 self._key_of[slot] = None
                 self._empty.append(slot)
-
-    def prefetch(self, layer: int, ids: Sequence[int]) -> int:
-        """Start reading the experts ``ids`` of ``layer`` that are not cached, as a hint
-        (k3.model's next-layer hint, ``K3_EXPERT_HINT=1``); returns the reads started.
-        Nothing is requested: the reads are published at the next call, and a call that
-        then asks for one counts it as a miss (served by the prefetch), never a hit.
-        Between calls only (inside one it does nothing)."""
-        layer = int(layer)
-        if self._busy.locked() or not (0 <= layer < self.n_layers and self._moe[layer]):
-            return 0
-        pending = {(lay, loc.expert) for lay, sub in self._pending for loc, _ in sub.jobs}
-        want = [int(e) for e in dict.fromkeys(ids) if 0 <= int(e) < self.n_experts]
-        missing = [e for e in want if (layer, e) not in self._slot_of and (layer, e) not in pending][:self.top_k]
-        if not missing or len(missing) + len(pending) > self.max_experts_per_call - self.top_k:
-            return 0
-        self._pending.append((layer, self._submit(layer, missing, set(want))))
-        return len(missing)
-
-    def _settle(self) -> None:
-        """Publish the prefetches' reads (waiting for those in flight): at the start of
-        every call, so their slots are never held past it."""
-        while self._pending:
-            layer, sub = self._pending.pop(0)
-            t0 = time.perf_counter()
-            try:
-                for e, _ in self._collect(layer, sub, prefetch=True):
-                    self._prefetched.add((layer, e))
-            except BaseException:
-                self._abandon(sub)
-                raise
-            finally:
-                for st in (self._run, self._step):
-                    st.read_seconds += time.perf_counter() - t0  # the wait the prefetch left exposed
 
     def _device(self, path: str) -> int:
         d = self._dev.get(path)
@@ -717,9 +669,6 @@ class ExpertCache:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop the I/O threads (and close the reader if the cache opened it)."""
-        for _, sub in self._pending:
-            self._abandon(sub)
-        self._pending = []
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._pools = {}

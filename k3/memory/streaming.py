@@ -135,19 +135,6 @@ class StreamingWeights:
         if self.trunk is not None:
             self.trunk.release_layer(i - self.first)
 
-    def hint_router(self, i):
-        """MoE layer i's router (gate weight, correction bias) for the next-layer hint
-        (K3_EXPERT_HINT=1), where the trunk is held in RAM; else None (a streamed layer
-        is not handed out before its turn)."""
-        if not env.expert_hint() or self._layers is None or not self.first <= i < self.first + len(self._layers):
-            return None
-        w = self._layers[i - self.first]
-        p = "block_sparse_moe.gate."
-        return (w[p + "weight"], w.get(p + "e_score_correction_bias")) if p + "weight" in w else None
-
-    def prefetch_experts(self, i, ids):
-        return self.cache.prefetch(i, ids)
-
     def expert_groups(self, i, ids):
         # each missing expert's math starts when its read completes (K3_EXPERT_STREAM=0: after all)
         return self.cache.groups(i, ids, stream=env.expert_stream())

@@ -165,25 +165,7 @@ def moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None, end=
     """FFN of an MoE layer on the normed input x [T, d], plus ``base`` [T, d] where given (the
     residual stream, added last). ``end``: the LayerEnd whose region made x, with the
     router's projections (and top-k) of x when it did them, or the block's output when
-    it ran the whole block (x and base are then not read).
-
-    A provider that offers a next-layer hint (optional ``hint_router(i)``, giving MoE
-    layer i's router weights when it can hand them out early, and ``prefetch_experts``)
-    gets, after a one-token pass of this block, the experts the next MoE layer's router
-    chooses for x, to start reading them; the next layer's routing is its own as ever."""
-    out = _moe_block(cfg, w, x, layer, provider, observer, end, base)
-    hint = getattr(provider, "hint_router", None)
-    if hint is not None and x.shape[0] == 1 and not (end is not None and end.done and end.has_out):
-        nxt = next((i for i in range(layer + 1, cfg.num_hidden_layers) if cfg.is_moe(i)), None)
-        g = hint(nxt) if nxt is not None else None
-        if g is not None:
-            ids, _ = route(cfg, x, g[0], g[1])
-            provider.prefetch_experts(nxt, ids.reshape(-1).tolist())
-    return out
-
-
-def _moe_block(cfg, w, x: torch.Tensor, layer: int, provider, observer=None, end=None,
-               base: torch.Tensor | None = None) -> torch.Tensor:
+    it ran the whole block (x and base are then not read)."""
     p = "block_sparse_moe."
     s = p + "shared_experts."
     latent = cfg.latent_size is not None
