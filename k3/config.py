@@ -31,7 +31,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .fsutil import json_kind, key_name, read_json_file, short_repr
 
 ARCH_K3 = "k3"
@@ -503,3 +503,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         missing=(f"{p}: no config.json here. Point k3 at the model folder that holds config.json, "
                  f"model.safetensors.index.json and the shards."))
     return parse_config(raw, str(p))
+
+
+def check_layers(cfg: ModelConfig, layers: int | None) -> None:
+    """``--layers N`` (run only the first N layers) against the model: 1..num_hidden_layers."""
+    if layers is not None and not 1 <= layers <= cfg.num_hidden_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {layers}.")

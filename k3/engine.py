@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import torch
 
 from . import env, warmup
-from .config import ModelConfig, load_config
+from .config import ModelConfig, check_layers, load_config
 from .errors import K3Error, NumericError, UsageError
 from .memory import planner, sysmem
 from .memory.passcost import PassCost
@@ -686,8 +686,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         set_threads(threads)
     sysmem.return_large_blocks()  # before the footprint is measured: RSS stays within the plan
     cfg = load_config(config if config is not None else model_dir)
-    if layers is not None and not 1 <= layers <= cfg.num_hidden_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {layers}.")
+    check_layers(cfg, layers)
     if int(max_context) < 1:
         raise UsageError(f"max_context must be >= 1, got {max_context}.")
     from .spec import MAX_DRAFT

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from .errors import EXIT_RUNTIME, ConfigError, K3Error, UsageError
+from .errors import EXIT_RUNTIME, ConfigError, K3Error
 
 
 def fsync_dir(d) -> None:
@@ -259,9 +259,3 @@ def read_json_file(path, *, what: str | None = None, error: type[K3Error] = Conf
         raise error(f"{p}: {name} {e.problem}.{tail}") from None
 
 
-def read_json_object(path, hint: str = "", *, error: type[K3Error] = UsageError) -> dict:
-    """A JSON file that must hold an object; `error` naming the file otherwise."""
-    raw = read_json_file(path, error=error, hint=hint)
-    if not isinstance(raw, dict):
-        raise error(f"{path}: expected a JSON object, found {json_kind(raw)}.{' ' + hint if hint else ''}")
-    return raw

@@ -225,7 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..chat import ChatSession, default_history_path, read_history
     from ..chat_format import chat_format_for
-    from ..config import load_config
+    from ..config import check_layers, load_config
     from ..engine import load, set_threads
     from ..memory.planner import kv_bytes_per_position
     from ..units import human
@@ -258,8 +258,7 @@ def run(args) -> int:
         if args.history:
             raise UsageError(f"--history {args.history}: the folder {history_path.parent} does not exist.")
         history_path.parent.mkdir(parents=True, exist_ok=True)
-    if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
+    check_layers(cfg, args.layers)
     loaded = None
     if args.load_state:
         from ..state import load_state

@@ -160,7 +160,7 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 
 
 def run(args) -> int:
-    from ..config import load_config
+    from ..config import check_layers, load_config
     from .. import env
     from ..engine import check_ids, load, set_threads
     from ..memory.planner import presets_table
@@ -196,8 +196,7 @@ def run(args) -> int:
     info(f"  prompt   : {len(ids)} tokens, generating {args.gen} "
          f"({'incremental' if args.incremental else 'full recompute'}), {threads} threads")
     if args.layers is not None:
-        if not 1 <= args.layers <= cfg.num_hidden_layers:
-            raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
+        check_layers(cfg, args.layers)
         err(f"  WARNING: --layers {args.layers}: only the first {args.layers} of {cfg.num_hidden_layers} layers "
             "run. Output is NOT the full model.")
     loaded = None

@@ -98,7 +98,7 @@ def _check(args) -> None:
 
 
 def run(args) -> int:
-    from ..config import load_config
+    from ..config import check_layers, load_config
     from .. import env
     from ..engine import load, set_threads
     from ..server.app import Server, bind, is_loopback, make_server
@@ -118,8 +118,7 @@ def run(args) -> int:
                     allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
                     config=args.config, max_context=args.max_context, max_batch=args.max_batch, **kw).serve_stage()
     cfg = load_config(args.config or args.model)
-    if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.num_hidden_layers} for this model, got {args.layers}.")
+    check_layers(cfg, args.layers)
     sampling_from_args(args, args.model)  # the flags and generation_config.json are checked now, not per request
     defaults = ServeDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                              greedy=args.greedy, thinking=not args.no_think, thinking_effort=args.thinking_effort,

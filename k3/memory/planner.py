@@ -132,11 +132,6 @@ def stream_table_bytes(sizes: "ModelSizes") -> int:
 
 
 # ====================================================================== model-derived sizes
-def embed_head_bytes(cfg, dtype_bytes: int = 2) -> int:
-    n = cfg.vocab_size * cfg.hidden_size * dtype_bytes
-    return n if cfg.tie_word_embeddings else 2 * n
-
-
 def layer_ids(cfg, layers=None) -> range:
     """The layers a plan covers: all (None), the first ``layers`` (an int, ``--layers``),
     or a range (one stage of a pipeline, k3.pipeline)."""

@@ -19,7 +19,6 @@ import contextlib
 import hmac
 import json
 import signal
-import sys
 import threading
 from typing import Callable
 
@@ -428,5 +427,3 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def log_to_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
