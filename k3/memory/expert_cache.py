@@ -355,18 +355,18 @@ class ExpertCache:
         (ValueError otherwise: the caller groups). A repeated id counts as a request
         that hits. A failed read raises ReadError (exit code 4); the experts read
         successfully in the same call are kept, the failed ones are not published."""
-        layer = int(layer)
-        ids = [int(e) for e in ids]
-        uniq = list(dict.fromkeys(ids))
-        self._check_call(layer, uniq)
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        layer, ids, uniq = self._begin(layer, ids)
         try:
             return self._fetch(layer, ids, uniq)
         finally:
             self._busy.release()
 
-    def _check_call(self, layer: int, uniq: list) -> None:
+    def _begin(self, layer, ids) -> tuple[int, list, list]:
+        """A call's arguments checked (layer, ids as ints, the distinct ids) and the cache
+        taken for it: the caller releases ``_busy``."""
+        layer = int(layer)
+        ids = [int(e) for e in ids]
+        uniq = list(dict.fromkeys(ids))
         if len(uniq) > self.max_experts_per_call:
             raise ValueError(
                 f"{len(uniq)} experts requested in one call; this cache hands out at most "
@@ -376,6 +376,9 @@ class ExpertCache:
         if uniq and not (min(uniq) >= 0 and max(uniq) < self.n_experts):  # (two C calls, not a loop)
             bad = next(e for e in uniq if not 0 <= e < self.n_experts)
             raise ValueError(f"expert id {bad} out of range 0..{self.n_experts - 1}")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        return layer, ids, uniq
 
     def groups(self, layer: int, ids: Sequence[int], stream: bool = False):
         """Experts ``ids`` (distinct) of ``layer`` in groups of at most
@@ -394,12 +397,7 @@ class ExpertCache:
                 yield self.experts(layer, ids[g:g + step])
 
     def _stream(self, layer: int, ids: list):
-        layer = int(layer)
-        ids = [int(e) for e in ids]
-        uniq = list(dict.fromkeys(ids))
-        self._check_call(layer, uniq)
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("ExpertCache.experts() called concurrently; it serves one call at a time")
+        layer, ids, uniq = self._begin(layer, ids)
         sub = None
         try:
             hits, missing = self._lookup(layer, ids, uniq)
