@@ -694,9 +694,6 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         raise UsageError(f"--spec takes 1..{MAX_DRAFT} drafted tokens per pass, got {spec}.")
     t0 = time.perf_counter()
     launch = env.launch()
-    for d in model_dirs:
-        if not Path(d).is_dir():
-            raise UsageError(f"--model-dirs {d}: not a folder. Give the folders that hold the checkpoint's shards.")
     layout = CheckpointLayout.open(cfg, model_dir, layers, validate=launch is None, extra_dirs=tuple(model_dirs))
     say(f"indexed {len(layout.index)} tensors from {len(layout.index.shards())} shards in "
         f"{time.perf_counter() - t0:.2f} s")

@@ -63,8 +63,11 @@ def test_a_shard_found_nowhere_names_every_folder(spread):
     assert "looked for" not in str(e.value)
     r = run(split, "--model-dirs", str(split))  # the second drive not given
     assert r.returncode == 3 and "looked for in" in r.stderr and "Traceback" not in r.stderr
-    r = run(split, "--model-dirs", str(split / "nope"))
-    assert r.returncode == 2 and "--model-dirs" in r.stderr
+    for argv in (["run", str(split), "--ids", IDS, "--model-dirs", str(split / "nope")],
+                 ["pack-trunk", str(split), str(split.parent / "t"), "--model-dirs", str(split / "nope")],
+                 ["doctor", str(split), "--no-probe", "--model-dirs", str(split / "nope")]):
+        r = subprocess.run([sys.executable, "-m", "k3", *argv], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 2 and "--model-dirs" in r.stderr and "Traceback" not in r.stderr, argv
 
 
 def test_the_doctor_probes_every_folder(spread, tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
 from ..fsutil import JSONProblem, key_name, loads_json, path_problem, read_json_file
-from k3.errors import CheckpointError
+from k3.errors import CheckpointError, UsageError
 
 __all__ = [
     "DTYPE_SIZES",
@@ -490,6 +490,9 @@ class CheckpointIndex:
                 f"Checkpoint directory {d} {why}. Pass the "
                 f"directory that holds the model's *.safetensors files."
             )
+        for e in extra_dirs:
+            if not os.path.isdir(e):
+                raise UsageError(f"--model-dirs {e}: not a folder. Give the folders that hold the checkpoint's shards.")
         index_path = os.path.join(d, INDEX_NAME)
         # ~500k small objects are created here: cyclic GC passes over a growing heap
         # would double the time, and nothing created here forms cycles.

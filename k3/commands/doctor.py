@@ -44,6 +44,9 @@ def run(args) -> int:
 
     if not args.probe_seconds > 0:
         raise UsageError(f"--probe-seconds must be > 0, got {args.probe_seconds}.")
+    for d in args.model_dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"--model-dirs {d}: not a folder. Give the folders that hold the checkpoint's shards.")
     if args.probe_dir and not Path(args.probe_dir).is_dir():
         raise UsageError(f"--probe-dir {args.probe_dir}: not a folder.")
     project = None
