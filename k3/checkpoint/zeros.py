@@ -24,7 +24,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, K3Error
+from .io import ShardFiles
 from .safetensors import TensorInfo
 
 BLOCK = 4096
@@ -66,23 +67,13 @@ def sample_ranges(info: TensorInfo, n: int = SAMPLES) -> list[tuple[int, int]]:
     return [(p, BLOCK) for p in picks]
 
 
-def _zero(b: bytes) -> bool:
-    return not b.strip(b"\0")
+def _zero(reader: ShardFiles, path: str, off: int, n: int) -> bool:
+    return not reader.read_bytes((path, off, n)).any()
 
 
-def _read(fd: int, off: int, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        b = os.pread(fd, n - len(out), off + len(out))
-        if not b:
-            break
-        out += b
-    return bytes(out)
-
-
-def _check(fd: int, info: TensorInfo, n: int) -> Finding | None:
+def _check(reader: ShardFiles, info: TensorInfo, n: int) -> Finding | None:
     ranges = sample_ranges(info, n)
-    zeros = [off for off, length in ranges if _zero(_read(fd, off, length))]
+    zeros = [off for off, length in ranges if _zero(reader, info.file, off, length)]
     if not zeros:
         return None
     if len(zeros) == len(ranges):
@@ -92,7 +83,7 @@ def _check(fd: int, info: TensorInfo, n: int) -> Finding | None:
     holes = []
     for off in zeros:  # the window around the zero block, inside the tensor
         start = min(max(info.offset, off - WINDOW // 2), info.end - WINDOW)
-        if _zero(_read(fd, start, WINDOW)):
+        if _zero(reader, info.file, start, WINDOW):
             holes.append(start)
     return Finding(info.name, info.file, False, holes, len(ranges)) if holes else None
 
@@ -106,26 +97,20 @@ def scan(infos: list[TensorInfo], samples: int = SAMPLES, threads: int = 8) -> l
 
     def one_file(path: str) -> list[tuple[int, Finding]]:
         out = []
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return out
-        try:
-            for t in sorted(by_file[path], key=lambda t: t.offset):
-                try:
-                    f = _check(fd, t, samples)
-                except OSError:
-                    f = None
-                if f is not None:
-                    out.append((order[t.name], f))
-        finally:
-            os.close(fd)
+        for t in sorted(by_file[path], key=lambda t: t.offset):
+            try:
+                f = _check(reader, t, samples)
+            except (K3Error, OSError):
+                f = None
+            if f is not None:
+                out.append((order[t.name], f))
         return out
 
     order = {t.name: i for i, t in enumerate(infos)}
     if not by_file:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(by_file)))) as pool:
+    with ShardFiles(use_direct=False) as reader, \
+            ThreadPoolExecutor(max_workers=max(1, min(threads, len(by_file)))) as pool:
         found = [f for part in pool.map(one_file, list(by_file)) for f in part]
     return [f for _, f in sorted(found, key=lambda x: x[0])]
 
