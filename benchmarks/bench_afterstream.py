@@ -45,7 +45,7 @@ from numba import njit  # noqa: E402
 
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 from k3.checkpoint.io import aligned_empty  # noqa: E402
-from k3.model.fused import route_topk  # noqa: E402
+from k3.kernels.moe import route_topk  # noqa: E402
 
 MADV_NOHUGEPAGE = 15
 

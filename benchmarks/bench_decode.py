@@ -119,7 +119,7 @@ def main():
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    from k3.quant import set_num_threads
+    from k3.kernels import set_num_threads
     set_num_threads(args.threads)
     d = ensure_model(args)
     t0 = time.perf_counter()

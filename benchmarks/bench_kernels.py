@@ -1,4 +1,4 @@
-"""Throughput of the quantisation/matmul kernels (k3.quant) beside unfused baselines.
+"""Throughput of the quantisation/matmul kernels (k3.kernels) beside unfused baselines.
 
 Arms, for every shape and token count T:
   MXFP4 experts (w1/w3 [3072, 3584], w2 [3584, 3072]):
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import os
 
-# Sleeping (not spinning) OpenMP workers; must precede `import torch` (see k3/quant/__init__.py).
+# Sleeping (not spinning) OpenMP workers; must precede `import torch` (see k3/kernels/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -66,7 +66,7 @@ import numba  # noqa: E402
 from benchlib import cpu_flags  # noqa: E402
 from k3.checkpoint.io import aligned_empty  # noqa: E402
 from k3.model.weights import Mxfp4Weight  # noqa: E402
-from k3.quant import bf16_linear, decode_mxfp4, mxfp4_grouped, mxfp4_linear, set_num_threads  # noqa: E402
+from k3.kernels import bf16_linear, decode_mxfp4, mxfp4_grouped, mxfp4_linear, set_num_threads  # noqa: E402
 
 MX_SHAPES = [("w1/w3", 3072, 3584), ("w2", 3584, 3072)]
 BF_SHAPES = [("q/kv-like", 12288, 7168), ("o/down-like", 7168, 12288)]
@@ -164,7 +164,8 @@ def fma_peak(threads: int, iters: int = 50_000_000, reps: int = 3) -> tuple[floa
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from k3.quant.bf16 import VECTOR_LANES, counted_loop, kernel_isa
+    from k3.kernels.cpu import VECTOR_LANES, kernel_isa
+    from k3.kernels.simd import counted_loop
 
     feats = ll.get_host_cpu_features()
     width = 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
@@ -253,7 +254,7 @@ def main(argv=None):
 
     set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    from k3.quant.bf16 import kernel_isa
+    from k3.kernels.cpu import kernel_isa
     run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{kernel_isa()}"   # the kernel path is part of every row's run
     print(f"# run {run_id}: {cpu_name()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
           f"threads={numba.get_num_threads()}, torch {torch.__version__} threads={torch.get_num_threads()}, "

@@ -1,4 +1,4 @@
-"""Kernel speed of two trees of k3 in ONE process: ``k3.quant``'s mxfp4_linear and
+"""Kernel speed of two trees of k3 in ONE process: ``k3.kernels``' mxfp4_linear and
 bf16_linear of this tree against another checkout's (a `git worktree` of an older
 commit), on the same weights and activations, reps alternating which tree goes first.
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numba  # noqa: E402
 import torch  # noqa: E402
 
-import k3.quant as this_quant  # noqa: E402
+import k3.kernels as this_quant  # noqa: E402
 from bench_ab import load_tree, rev  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
@@ -71,7 +71,11 @@ def main(argv=None) -> int:
         ap.error(f"an MXFP4 weight's width must be a multiple of 32, not {C}")
     other_root = Path(args.other).resolve()
     other = load_tree(other_root)
-    import k3other.quant as other_quant  # noqa: E402 - the package load_tree just made
+    import importlib
+    try:  # the package load_tree just made; older trees kept the kernels in k3.quant
+        other_quant = importlib.import_module("k3other.kernels")
+    except ModuleNotFoundError:
+        other_quant = importlib.import_module("k3other.quant")
     quants = {"other": other_quant, "this": this_quant}
     codes = {"other": rev(other_root), "this": rev(ROOT)}
     numba.set_num_threads(args.threads)

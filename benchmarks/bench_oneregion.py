@@ -8,13 +8,13 @@ This script measures what the launches cost against the same work with the two
 threads kept in one parallel region, a spin barrier after each call:
 
   capture    one decode step of the arm's model (everything resident) with
-             ``k3.quant.bf16.run_bf16_jobs`` hooked: every one-token BF16 call's
+             ``k3.kernels.bf16.run_bf16_jobs`` hooked: every one-token BF16 call's
              activations and job table (the engine's own weights, in place)
   launches   those calls replayed through ``run_bf16_jobs`` one after another: the
              engine's launch path (serial below ``_T1_SERIAL_WORK``, else the pool),
              without its Python wrappers (job tables built, outputs wrapped in torch),
              so the saving measured is a lower bound
-  region     the same calls inside ONE ``prange(2)`` with k3.quant.region's pieces (as
+  region     the same calls inside ONE ``prange(2)`` with k3.kernels.region's pieces (as
              the engine's fused decode ops use them): each call's rows in two halves,
              each claimed by whichever thread comes first, both threads waiting for
              both halves before the next call, as the next call's input would need; the
@@ -49,8 +49,8 @@ import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 import k3  # noqa: E402
-import k3.quant.bf16 as kb  # noqa: E402
-from k3.quant import region  # noqa: E402
+import k3.kernels.bf16 as kb  # noqa: E402
+from k3.kernels import region  # noqa: E402
 from bench_overhead import ARMS, arm_models, git_rev  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
@@ -60,7 +60,7 @@ DEFAULT_ARMS = "small-k3,small-kimi_linear,realdims-kimi_linear"
 @njit(parallel=True, nogil=True)
 def region_pass(tab, bounds, work, y):
     """Every captured call (table rows bounds[i] .. bounds[i+1]-1) as one step of ONE
-    region (k3.quant.region's claimable halves and waits, as the engine's fused decode
+    region (k3.kernels.region's claimable halves and waits, as the engine's fused decode
     ops use them)."""
     n = bounds.shape[0] - 1
     fl = region.flags(2 * n)
@@ -105,7 +105,7 @@ def capture(eng, prompt_len: int = 8) -> list:
 
 
 def call_table(calls):
-    """The region's inputs: (table [matrices, 7] in k3.quant.region's columns, bounds
+    """The region's inputs: (table [matrices, 7] in k3.kernels.region's columns, bounds
     [calls + 1] of each call's rows, workspace holding every call's activations, the
     outputs' length, each call's offset in them)."""
     rows, bounds, xs, xo, oo, offs = [], [0], [], 0, 0, []

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 import k3  # noqa: E402
 from k3.probe import COLD_LINES, cold_reads_after_stream  # noqa: E402
-from k3.quant import bf16_linear  # noqa: E402
+from k3.kernels import bf16_linear  # noqa: E402
 from benchlib import Tsv, cpu_flags, loadavg  # noqa: E402
 
 #: arm -> (preset, arch, layers, experts); realdims-kimi_linear has Kimi-Linear-48B's
@@ -166,12 +166,12 @@ def bytes_per_token(eng) -> int:
 
 
 class Counter:
-    """Counts the matmul kernels' launches (k3.quant's _launch and _launch_t1) and torch aten ops."""
+    """Counts the matmul kernels' launches (k3.kernels' _launch and _launch_t1) and torch aten ops."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
-        import k3.quant.bf16 as b
-        import k3.quant.mxfp4 as m
+        import k3.kernels.bf16 as b
+        import k3.kernels.mxfp4 as m
         self.kernels = 0
         # the general launcher and the one-token one (decode's projections and experts)
         self.hooks = [(mod, name) for mod in (b, m) for name in ("_launch", "_launch_t1") if hasattr(mod, name)]

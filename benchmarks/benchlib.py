@@ -475,7 +475,7 @@ def cpu_flags() -> str:
     line = f"{name} [{' '.join(simd) or 'no avx2'}]"
     try:
         import numba
-        from k3.quant.bf16 import kernel_isa
+        from k3.kernels.cpu import kernel_isa
         if numba.config.CPU_FEATURES or numba.config.CPU_NAME not in (None, "", "host"):
             line += f", kernels compiled for {numba.config.CPU_NAME or 'host'} ({kernel_isa()} path)"
     except Exception:  # noqa: BLE001 - a label, never a reason to fail a benchmark

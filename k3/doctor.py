@@ -148,7 +148,7 @@ def check_cpu(rep: Report) -> None:
                  + (f" (torch kernels use {cap})" if cap else ""))
     kern = None
     try:
-        from .quant.bf16 import kernel_path
+        from .kernels.cpu import kernel_path
         kern = kernel_path()
         lines.append(f"k3 kernels: {kern['isa']} path ({kern['lanes']}-lane vectors, {kern['tile']} token x row tiles"
                      + (f", one token {kern['t1_rows']} rows at a time from K = {kern['t1_rows_from_k']}"
@@ -157,6 +157,16 @@ def check_cpu(rep: Report) -> None:
                         else ""))
     except Exception as e:  # noqa: BLE001 - a report line, never a reason to fail the doctor
         lines.append(f"k3 kernels: not available ({type(e).__name__}: {e})")
+    regions = None
+    try:
+        from .model.compiled import why_plain
+        why = why_plain()
+        regions = {"on": why is None, "plain_because": why}
+        lines.append("layer regions: " + ("on (a decode step runs most of a layer in a few parallel regions; "
+                                          "K3_FUSED=0 runs the plain forward, the same bits)" if why is None
+                                          else f"off, the plain forward runs: {why}"))
+    except Exception as e:  # noqa: BLE001 - a report line, never a reason to fail the doctor
+        lines.append(f"layer regions: not available ({type(e).__name__}: {e})")
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64") and info.flags and "avx2" not in info.flags:
         rep.warnings.append("this CPU has no AVX2: the BF16 and MXFP4 kernels run without vector units and "
@@ -186,7 +196,7 @@ def check_cpu(rep: Report) -> None:
     except Exception:  # noqa: BLE001 - a report line, never a reason to fail the doctor
         pass
     rep.data["cpu"] = {"model": info.model, "vendor": info.vendor, "usable": usable, "logical": logical,
-                       "physical": phys, "simd": have, "torch_capability": cap, "kernels": kern, "memory_gbps": bw,
+                       "physical": phys, "simd": have, "torch_capability": cap, "kernels": kern, "layer_regions": regions, "memory_gbps": bw,
                        "cold_reads": cold}
 
 

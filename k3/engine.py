@@ -32,6 +32,7 @@ from .errors import K3Error, NumericError, UsageError
 from .memory import planner, sysmem
 from .memory.passcost import PassCost
 from .memory.planner import Budgets, Plan
+from .model import compiled
 from .model.stack import InferenceState, Model, Observer
 from .units import human
 
@@ -138,7 +139,7 @@ def set_threads(n: int | None) -> int:
     """Compute threads for torch and the numba kernels (default: every usable core)."""
     import os
 
-    from .quant import max_threads, set_num_threads
+    from .kernels import max_threads, set_num_threads
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if n < 1:
@@ -360,6 +361,11 @@ class Engine:
         p = self.provider
         return {"expert_cache": p.cache.stats(), "trunk": p.trunk.stats() if p.trunk is not None else {},
                 "table_bytes_read": p.table_bytes()}
+
+    def paths(self) -> dict:
+        """Which way each layer runs (k3.model.compiled.describe): the compiled regions or
+        the plain forward, which layers have which region, and how often each stage ran."""
+        return compiled.describe(self.cfg, range(self.model.n_layers), self.model.fast)
 
     def counters(self) -> dict:
         """Cumulative I/O counters of the run (the decode loop reports their per-step
@@ -800,6 +806,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
             eng.pipeline = stage
             if stage.rank == 0:
                 stage.start_heartbeat()
+        say(compiled.summary(eng.paths()))
         if provider.trunk is not None:
             say(f"trunk streaming from {budgets.trunk}: {plan.trunk.describe()}")
         else:

@@ -6,7 +6,9 @@ order, instead of largest first), ``K3_NOHUGE`` (no transparent huge pages for t
 expert arena), ``K3_DEBUG=1`` (show tracebacks) and ``K3_SPEC_EVERY_DRAFT=1`` (speculative
 decoding reads every draft it finds, as before the pass cost model weighed them; for
 A/B runs) and ``K3_EXPERT_STREAM=0`` (a layer's experts are multiplied once all its
-missing ones are read, instead of each as its read completes; for A/B runs). ``K3_TEST_FAULT`` injects read
+missing ones are read, instead of each as its read completes; for A/B runs) and ``K3_FUSED=0``
+(every layer runs the plain forward instead of its compiled regions, k3.model.compiled;
+the same bits, slower). ``K3_TEST_FAULT`` injects read
 failures for the tests of the failure path.
 
 Under ``torchrun`` (a pipeline over several processes, k3.pipeline) k3 reads the
@@ -33,6 +35,11 @@ def pin_order() -> str:
 
 def hugepages() -> bool:
     return os.environ.get("K3_NOHUGE") is None
+
+
+def fused() -> bool:
+    """False under K3_FUSED=0: the plain forward instead of the layers' compiled regions."""
+    return os.environ.get("K3_FUSED", "1") != "0"
 
 
 def expert_stream() -> bool:
@@ -64,6 +71,6 @@ def launch() -> tuple[int, int] | None:
 def kernel_isa() -> str | None:
     """K3_KERNEL_ISA (generic | avx2 | avx512): the MXFP4 decode path to compile, for
     tests that compare the paths (each path compiles into its own cache folder,
-    k3.quant.kcache). Not for users: every path gives the same bits."""
+    k3.kernels.kcache). Not for users: every path gives the same bits."""
     v = os.environ.get("K3_KERNEL_ISA") or None
     return v

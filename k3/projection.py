@@ -106,7 +106,7 @@ def calibrate(seconds: float = 3.0) -> tuple[float, float]:
     over a few calls each on matrices larger than the caches."""
     import torch
 
-    from .quant import bf16_linear, mxfp4_linear
+    from .kernels import bf16_linear, mxfp4_linear
 
     out = []
     w = torch.ones(8192, 16384, dtype=torch.bfloat16)  # 256 MiB

@@ -55,7 +55,7 @@ import torch
 from . import __version__
 from .fsutil import JSONProblem, json_kind, loads_json, path_problem, short_repr
 from .errors import K3Error, UsageError
-from .model.kda import KDAState
+from .model.kda_state import KDAState
 from .model.mla import MLAState
 from .model.stack import InferenceState
 

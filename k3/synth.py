@@ -664,7 +664,7 @@ def _packed_table(sigma: float) -> np.ndarray:
     """uint16 random index -> one packed byte (two independent nibbles, 8 bits each)."""
     t = _PACKED_TABLES.get(sigma)
     if t is None:
-        from .quant.mxfp4 import _e2m1_codes  # numba-backed module: imported only when writing
+        from .kernels.mxfp4 import _e2m1_codes  # numba-backed module: imported only when writing
 
         u = (torch.arange(256, dtype=torch.float64) + 0.5) / 256
         t8 = _e2m1_codes(sigma * torch.special.ndtri(u))
@@ -865,7 +865,7 @@ def _expert_values(plan: SynthPlan, ex: _Expert) -> list[tuple[str, torch.Tensor
         if plan.expert_mode == "packed":
             packed, scale = _sample_mxfp4(bg, rows, cols, g)
         else:
-            from .quant.mxfp4 import encode_mxfp4
+            from .kernels.mxfp4 import encode_mxfp4
 
             packed, scale = encode_mxfp4(_gauss(bg, (rows, cols), 0.0, 1.0 / math.sqrt(cols), "F32"), g)
         out += [(tp.name, packed), (ts.name, scale)]

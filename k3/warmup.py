@@ -1,7 +1,7 @@
 """Compiling and warming k3's kernels, once per CPU and kernel version.
 
 numba compiles each kernel the first time it runs and keeps the machine code in a
-cache folder (k3.quant.kcache). A run then loads the code instead of compiling it, in
+cache folder (k3.kernels.kcache). A run then loads the code instead of compiling it, in
 well under a second. A cold folder (a first run after an install or an upgrade) means
 compiling: several minutes of one core, and ~0.8 GB of the compiler's own memory that
 numba never hands back.
@@ -77,7 +77,7 @@ def jobs_for(cfg=None, layers=None) -> list[str]:
 def _matmul() -> None:
     import torch
 
-    from .quant import bf16_linear, mxfp4_linear
+    from .kernels import bf16_linear, mxfp4_linear
     w = torch.zeros(2, 64, dtype=torch.bfloat16)
     p, sc = torch.zeros(2, 32, dtype=torch.uint8), torch.full((2, 2), 127, dtype=torch.uint8)
     for t in (1, 3):
@@ -91,18 +91,18 @@ def _attention() -> None:
     a decode step's single query row takes."""
     import torch
 
-    from .model import fused
-    fused.scores_softmax(torch.zeros(8), torch.zeros(8), 0.125, 2, 4)
+    from .kernels import attention
+    attention.scores_softmax(torch.zeros(8), torch.zeros(8), 0.125, 2, 4)
     H, L = 2, 64
     x = torch.zeros(1, H * L)
     for w in (torch.zeros(8, L), torch.zeros(2 * L, L, dtype=torch.bfloat16)):
-        fused.dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L), causal=3)
-        fused.dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L))
+        attention.dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L), causal=3)
+        attention.dots(x, w, H, 1, 4, L, x_at=(0, 0, 0, L))
     p = torch.zeros(1, H * 8)
-    cwn = fused._CWN
+    cwn = attention._CWN
     for w in (torch.zeros(H * 8, 2 * cwn), torch.zeros(H * 8, 2 * cwn, dtype=torch.bfloat16)):
-        fused.prods(p, w, H, 1, 2 * cwn, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0), causal=7)
-        fused.prods(p, w, H, 1, 2 * cwn, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
+        attention.prods(p, w, H, 1, 2 * cwn, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0), causal=7)
+        attention.prods(p, w, H, 1, 2 * cwn, 8, x_at=(0, 0, 0, 8), w_at=(0, 8, 0, 0))
 
 
 _H, _DK, _DV = 2, 8, 8
@@ -112,7 +112,7 @@ def _kda() -> None:
     """KDA's step after its projections, with every argument kind decode gives it."""
     import torch
 
-    from .model import fused
+    from .kernels import kda
     H, dk, dv = _H, _DK, _DV
     u, z = torch.zeros(1, H * dk), torch.zeros(1, H * dv)
     xs, ws = [u, u, z], [torch.zeros(H * dk, 1, 4)] * 2 + [torch.zeros(H * dv, 1, 4)]
@@ -120,7 +120,7 @@ def _kda() -> None:
         for lb in (None, -5.0):
             for S0 in (None, torch.zeros(H, dk, dv)):
                 states = [None] * 3 if S0 is None else [torch.zeros(3, x.shape[1]) for x in xs]
-                fused.kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk),
+                kda.kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk),
                                  H, lb, S0, torch.empty(H, dk, dv), ow, 1e-6, z)
 
 
@@ -132,11 +132,11 @@ def _mat(n: int, k: int):
 def _kda_region() -> None:
     import torch
 
-    from .model import fused
+    from .kernels import kda_region
     H, dk, dv = _H, _DK, _DV
     d, r = 64, 8
     ws = [_mat(n, d) for n in (H * dk, H * dk, H * dv, r, H, r)]
-    fused.kda_decode_layer(torch.zeros(1, d), ws, _mat(H * dk, r), _mat(H * dv, r),
+    kda_region.kda_decode_layer(torch.zeros(1, d), ws, _mat(H * dk, r), _mat(H * dv, r),
                            [torch.zeros(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6, 0.5,
                            torch.zeros(H), torch.zeros(H * dk), H, None, None, None,
                            torch.ones(dv, dtype=torch.bfloat16), 1e-6, _mat(d, H * dv))
@@ -146,15 +146,15 @@ def _moe_region() -> None:
     """The MoE block's region on MXFP4 and on BF16 experts."""
     import torch
 
-    from .model import fused
+    from .kernels import moe
     d, inter, G = 64, 64, 2
     packed, scale = torch.zeros(inter, d // 2, dtype=torch.uint8), torch.full((inter, d // 32), 127, dtype=torch.uint8)
-    mx = fused.expert_descriptors("mxfp4", [(packed, scale)] * 3 * G).reshape(G, 3, -1)
-    bf = fused.expert_descriptors("bf16", [_mat(inter, d)] * 3 * G).reshape(G, 3, -1)
+    mx = moe.expert_descriptors("mxfp4", [(packed, scale)] * 3 * G).reshape(G, 3, -1)
+    bf = moe.expert_descriptors("bf16", [_mat(inter, d)] * 3 * G).reshape(G, 3, -1)
     shared = (torch.zeros(1, inter), torch.zeros(1, inter))
-    fused.moe_decode(torch.zeros(1, d), mx, torch.zeros(1, G), torch.ones(d, dtype=torch.bfloat16), 1e-6, shared,
+    moe.moe_decode(torch.zeros(1, d), mx, torch.zeros(1, G), torch.ones(d, dtype=torch.bfloat16), 1e-6, shared,
                      (4.0, 25.0), _mat(d, d), _mat(d, inter))
-    fused.moe_decode(torch.zeros(1, d), bf, torch.zeros(1, G), None, 1e-6, shared, None, None, _mat(d, inter))
+    moe.moe_decode(torch.zeros(1, d), bf, torch.zeros(1, G), None, 1e-6, shared, None, None, _mat(d, inter))
 
 
 def _mla_region() -> None:
@@ -164,17 +164,17 @@ def _mla_region() -> None:
     import numpy as np
     import torch
 
-    from .model import fused
+    from .kernels import layer_end, mla_region, moe
     H, d, inter = _H, 64, 64
     nope = rope = vd = 8
     qr, L, E = 16, 64, 8
-    end = fused.mix_end([torch.zeros(1, d)], None, torch.ones(d), 1e-6, torch.ones(d, dtype=torch.bfloat16), 1e-6)
+    end = layer_end.mix_end([torch.zeros(1, d)], None, torch.ones(d), 1e-6, torch.ones(d, dtype=torch.bfloat16), 1e-6)
     if end is not None:
         end.route(d, [_mat(E, d), _mat(inter, d), _mat(inter, d)], None, E, True, 1.0)
-        end.experts(fused.expert_descriptors("bf16", [_mat(inter, d)] * 3 * E).reshape(E, 3, -1), None, 1, None, 1e-6,
+        end.experts(moe.expert_descriptors("bf16", [_mat(inter, d)] * 3 * E).reshape(E, 3, -1), None, 1, None, 1e-6,
                     None, None, _mat(d, inter))
     for e in (None, end):
-        fused.mla_decode_layer(torch.zeros(1, d), _mat(qr, d), torch.ones(qr, dtype=torch.bfloat16),
+        mla_region.mla_decode_layer(torch.zeros(1, d), _mat(qr, d), torch.ones(qr, dtype=torch.bfloat16),
                                _mat(H * (nope + rope), qr), _mat(L + rope, d), torch.ones(L, dtype=torch.bfloat16),
                                _mat(H * (nope + vd), L), _mat(H * vd, d), _mat(d, H * vd),
                                np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32), 0, H, nope, rope, vd,
@@ -190,18 +190,15 @@ _RUN: dict[str, Callable[[], None]] = {"matmul": _matmul, "attention": _attentio
 def _work_limits(value: int | None):
     """The work limits below which the kernels run their serial twins, set to ``value``
     (0: every call takes the parallel kernel) for the duration; None leaves them."""
-    from .model import fused
-    from .quant import bf16, mxfp4
-    limits = [(bf16, "_T1_SERIAL_WORK"), (mxfp4, "_T1_SERIAL_WORK"), (fused, "_SERIAL")]
-    kept = [getattr(m, n) for m, n in limits]
+    from .kernels import launch
+    limits = launch.SERIAL_LIMITS
+    kept = dict(limits)
     try:
         if value is not None:
-            for m, n in limits:
-                setattr(m, n, value)
+            limits.update(dict.fromkeys(limits, value))
         yield
     finally:
-        for (m, n), v in zip(limits, kept):
-            setattr(m, n, v)
+        limits.update(kept)
 
 
 def run_job(name: str) -> None:
@@ -315,7 +312,7 @@ def ensure(names: list[str], *, available: int | None = None, notice=None, progr
     run every job here, which loads them. Raises K3Error (exit 1) when not even one
     helper's memory is available. Returns what it did (for --verbose and --out)."""
     from .errors import K3Error
-    from .quant import kcache
+    from .kernels import kcache
     from .units import human
 
     cold = kcache.missing(names)

@@ -20,7 +20,7 @@ def own_cache(cache):
     """``cache`` (a Path) made to serve as a child process's K3_CACHE, with this process's
     compiled kernels linked in: every kernel compiled afresh in the child took about a
     minute, as long as the timeouts its test waits with."""
-    from k3.quant import kcache
+    from k3.kernels import kcache
     cache.mkdir(parents=True, exist_ok=True)
     kernels = kcache.folder().parent
     kernels.mkdir(parents=True, exist_ok=True)

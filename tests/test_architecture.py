@@ -108,3 +108,39 @@ def test_help_and_presets_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_the_model_math_has_no_compiled_code():
+    """k3/model states the forward as the spec does: no numba, no LLVM IR. Compiled code
+    lives in k3/kernels, which the model calls and which never imports the model or the
+    memory system."""
+    bad = []
+    for p in sorted((PKG / "model").rglob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{p.relative_to(ROOT)}: imports {n}" for n in names if n.split(".")[0] in ("numba", "llvmlite")]
+    assert not bad, "\n".join(bad)
+    graph = import_graph()
+    up = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("k3.kernels")
+                for d in deps if d.startswith(("k3.model", "k3.memory", "k3.engine", "k3.server")))
+    assert not up, f"kernels importing the layers above them: {up}"
+
+
+def test_kernel_files_and_functions_stay_small():
+    """No kernel file over ~600 lines, no function over 12 parameters: a region takes its
+    arguments as named structures, not positional lists."""
+    long_files, wide = [], []
+    for p in sorted((PKG / "kernels").glob("*.py")):
+        text = p.read_text()
+        if text.count("\n") > 620:
+            long_files.append(f"{p.name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                if n > 12:
+                    wide.append(f"{p.name}:{node.lineno} {node.name} ({n} parameters)")
+    assert not long_files, long_files
+    assert not wide, "\n".join(wide)

@@ -1,4 +1,4 @@
-"""Fused BF16 linear (k3.quant.bf16): accuracy vs float64, the canonical summation order
+"""Fused BF16 linear (k3.kernels.bf16): accuracy vs float64, the canonical summation order
 (bit-exact emulation), thread-count and batch independence, odd shapes, refusals."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3.quant import LANES, bf16_linear, get_num_threads, max_threads, set_num_threads
+from k3.kernels import LANES, bf16_linear, get_num_threads, max_threads, set_num_threads
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -104,7 +104,7 @@ def test_thread_count_and_batch_independence():
 def test_small_calls_leave_the_thread_count_as_it_was(serial_small, monkeypatch):
     """Small work may run on one thread (outside numba's TBB layer): the caller's thread
     count is restored, also when the kernel raises, and the bits are those of a large call's rows."""
-    from k3.quant import bf16 as B
+    from k3.kernels import launch as B
     get, put, _ = B._threads()
     monkeypatch.setattr(B, "_TH", (get, put, serial_small))
     x, w = _case(4, 3, 40, 64)
@@ -126,13 +126,12 @@ def test_one_token_kernels_give_the_general_kernels_bits(K, monkeypatch):
     """Decode's compact one-token kernels (parallel, and serial below a work limit) give
     the bits of the general kernel's one-token path (which a table holding a job of more
     tokens goes to): whole steps, several rows at a time, tails."""
-    from k3.quant import bf16 as B
-    from k3.quant import bf16_grouped
+    from k3.kernels import bf16_grouped, launch
     x, w = _case(K, 2, 70, K)
     ws = [w, w[:33]]
     want = bf16_grouped(x, ws + [w[:5]], [(1, 2), (0, 1), (0, 2)])[: 70 + 33]
     for limit in (0, 1 << 62):                        # the parallel kernel, the serial one
-        monkeypatch.setattr(B, "_T1_SERIAL_WORK", limit)
+        monkeypatch.setitem(launch.SERIAL_LIMITS, "bf16", limit)
         got = bf16_grouped(x, ws, [(1, 2), (0, 1)])
         assert np.array_equal(_bits(got), _bits(want)), limit
 
@@ -197,7 +196,7 @@ def test_derived_values_follow_their_pair_of_objects():
     when either object does."""
     import gc
 
-    from k3.quant import bf16 as b
+    from k3.kernels import launch as b
 
     def prod(a, c):
         return a * c
@@ -220,7 +219,8 @@ def test_kept_tables_follow_their_weight_objects():
     and the entries go with the objects."""
     import gc
 
-    from k3.quant import bf16 as b
+    from k3.kernels import bf16_grouped
+    from k3.kernels import launch as b
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 64, generator=g)
     for n in range(1, 41):  # freed and allocated in turn: ids get reused
@@ -228,7 +228,7 @@ def test_kept_tables_follow_their_weight_objects():
         ref = torch.from_numpy(x.double().numpy() @ w.double().numpy().T).float()
         y = bf16_linear(x, w)
         assert y.shape == (1, n) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
-        y2 = b.bf16_grouped(x, [w, w])
+        y2 = bf16_grouped(x, [w, w])
         assert torch.equal(y2[:n], y[0]) and torch.equal(y2[n:], y[0])
     k = id(w)
     assert any(key[0] == k for key in b._DESC) and any(k in key[2:] for key in b._TABLES)
@@ -243,7 +243,7 @@ def test_activation_scratch_is_per_thread_reused_and_bounded(monkeypatch):
     # (two engines' threads may call kernels at once), not kept when large
     import threading
     from k3.checkpoint.io import HUGE
-    from k3.quant import bf16
+    from k3.kernels import launch as bf16
     a = bf16.scratch_f32((16, 7168))
     assert a.shape == (16, 7168) and a.dtype == np.float32 and a.flags.c_contiguous
     from k3 import env
@@ -270,13 +270,14 @@ def test_activation_scratch_is_per_thread_reused_and_bounded(monkeypatch):
 def test_kernel_scratch_and_activation_copies_start_on_a_cache_line():
     # the T > 1 tiles load 64 bytes at a time from these; a misaligned start makes every
     # load straddle two cache lines (slower, same bits)
-    from k3.quant import bf16
+    from k3.kernels.bf16 import pair_split_x
+    from k3.kernels.launch import empty64
     for n in (1, 15, 16, 17, 1000, 4096, 100_003, 1 << 20):
-        a = bf16.empty64(n)
+        a = empty64(n)
         assert a.shape == (n,) and a.dtype == np.float32 and a.ctypes.data % 64 == 0
     for T, K in ((2, 64), (3, 100), (16, 7168), (5, 3584)):
         x = torch.randn(T, K).numpy()
-        xs = bf16.pair_split_x(x)
+        xs = pair_split_x(x)
         assert xs.ctypes.data % 64 == 0 and xs.shape == (T, K) and xs.flags.c_contiguous
         assert np.array_equal(np.sort(xs, axis=1), np.sort(x, axis=1))   # a permutation of each row
 
@@ -287,7 +288,7 @@ def test_shared_trees_give_each_rows_halving_tree(n):
     halving tree in float32 (numpy, one row at a time), signed zeros, infinities and NaN
     included."""
     from numba import njit
-    from k3.quant.bf16 import make_trees
+    from k3.kernels.simd import make_trees
     trees = make_trees(n)
 
     @njit

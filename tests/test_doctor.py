@@ -48,7 +48,7 @@ def test_without_a_model(tmp_path):
     assert not [p for p in tmp_path.iterdir()]  # the scratch file is gone
     assert rep.data["storage"]["scratch"] is True
     # the kernel path it reports is the one the kernels were compiled for
-    from k3.quant.bf16 import kernel_isa
+    from k3.kernels.cpu import kernel_isa
     kern = rep.data["cpu"]["kernels"]
     assert kern["isa"] == kernel_isa() and f"k3 kernels: {kern['isa']} path" in text
     assert rep.data["cpu"]["vendor"] in ("intel", "amd", "")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3 import synth
-from k3.quant import get_num_threads, set_num_threads
+from k3.kernels import get_num_threads, set_num_threads
 
 from engines import greedy_ids, open_engine
 

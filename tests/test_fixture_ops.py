@@ -11,7 +11,8 @@ import torch
 
 from k3.config import parse_config
 from k3.model import kda as kda_mod
-from k3.model.kda import KDAState, kda_decay, kda_layer, kda_recurrent, kda_chunked
+from k3.model.kda import kda_chunked, kda_decay, kda_layer, kda_recurrent
+from k3.model.kda_state import KDAState
 from k3.model.mla import MLAState, mla_layer
 from k3.model.moe import moe_block, route
 from k3.model.ops import attn_res, rms_norm, short_conv, situ_glu

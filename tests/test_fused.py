@@ -14,12 +14,13 @@ import torch
 
 import k3
 from k3.config import parse_config
-from k3.model import fused, kda, ops, vml
+from k3.model import kda, ops
 from k3.model.moe import routed_experts
 from k3.model.ops import glu_act, linear
 from k3.model.weights import DictWeights, Mxfp4Weight
-from k3.quant import bf16_grouped, get_num_threads, max_threads, mxfp4_grouped, set_num_threads
-from k3.quant.mxfp4 import encode_mxfp4
+from k3.kernels import aten, attention, attn_res, kda as k_kda, kda_region, launch, mla_region, moe, norms, vml
+from k3.kernels import bf16_grouped, get_num_threads, max_threads, mxfp4_grouped, set_num_threads
+from k3.kernels.mxfp4 import encode_mxfp4
 from k3.synth import build_config
 
 THREADS = [1, 2] if max_threads() >= 2 else [1]
@@ -178,18 +179,18 @@ def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads, math_fo
 @pytest.mark.parametrize("latent,shared", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("situ", [None, (4.0, 25.0)])
 def test_moe_decode_equals_the_separate_calls(arch, fmt, latent, shared, situ, threads):
-    """One token's experts, mix and projections in one parallel region (fused.moe_decode)
+    """One token's experts, mix and projections in one parallel region (moe.moe_decode)
     against expert_ffn, moe_mix, the latent up-projection, the shared expert's down
     projection and their sum as separate calls, bit for bit; with and without the
     latent up-projection and the shared expert, SiLU- and SiTU-GLU, MXFP4 and BF16
     experts; on one thread the region's second iteration finds every piece done."""
-    from k3.model.moe import _group_format
+    from k3.model.moe import group_format
     cfg, tensors, g, dz = _moe_case(arch, fmt, 11)
     k, inter_s = cfg.num_experts_per_token, 48
     n_out = 72 if latent else dz
     ids = torch.randperm(cfg.num_experts, generator=g)[:k].tolist()
     ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, ids))).values())
-    fmt_got, descs = _group_format(ews)
+    fmt_got, descs = group_format(ews)
     assert fmt_got == fmt
     z = _x(g, 1, dz) * 3.0
     wts = torch.rand(1, k, generator=g)
@@ -197,15 +198,15 @@ def test_moe_decode_equals_the_separate_calls(arch, fmt, latent, shared, situ, t
     shared_gu = (torch.randn(1, inter_s, generator=g), torch.randn(1, inter_s, generator=g)) if shared else None
     up_w = _bf16(g, n_out, dz) if latent else None
     down_w = _bf16(g, n_out, inter_s) if shared else None
-    got = fused.moe_decode(z, descs, wts, norm_w, 1e-5, shared_gu, situ, up_w, down_w)
-    contrib = torch.from_numpy(fused.expert_ffn(fmt, z, [e.w1 for e in ews], [e.w3 for e in ews],
+    got = moe.moe_decode(z, descs, wts, norm_w, 1e-5, shared_gu, situ, up_w, down_w)
+    contrib = torch.from_numpy(moe.expert_ffn(fmt, z, [e.w1 for e in ews], [e.w3 for e in ews],
                                                 [e.w2 for e in ews], [(0, 1)] * k, situ)).view(1, k, dz)
-    r, h = fused.moe_mix(contrib, wts, norm_w, 1e-5, shared_gu, situ)
+    r, h = moe.moe_mix(contrib, wts, norm_w, 1e-5, shared_gu, situ)
     if latent:
         r = ops.linear(r, up_w)
     want = r + ops.linear(h, down_w) if shared else r
     if got is None:
-        assert not fused.USE_VML
+        assert not vml.AVAILABLE
         return
     assert same(got, want)
 
@@ -217,31 +218,31 @@ def test_all_experts_descriptors_live_as_long_as_their_set():
     import gc
     import weakref
 
-    from k3.model import moe
+    from k3.model import compiled
     from k3.model.weights import ExpertSet
     cfg, tensors, g, dz = _moe_case("k3", "mxfp4", 4)
     ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, range(cfg.num_experts)))).values())
     held = ExpertSet(ews)
-    descs = moe._all_experts(held)
-    assert descs.shape[:2] == (cfg.num_experts, 3) and moe._all_experts(held) is descs
-    assert np.array_equal(moe._all_experts(tuple(ews)), descs) and moe._all_experts(tuple(ews)) is not descs
+    descs = compiled._all_experts(held)
+    assert descs.shape[:2] == (cfg.num_experts, 3) and compiled._all_experts(held) is descs
+    assert np.array_equal(compiled._all_experts(tuple(ews)), descs) and compiled._all_experts(tuple(ews)) is not descs
     gone = weakref.ref(held)
     del held
     gc.collect()
-    assert gone() is None and all(k is not None for k in moe._ALL_EXPERTS.keys())
+    assert gone() is None and all(k is not None for k in compiled._ALL_EXPERTS.keys())
 
 
 def test_moe_decode_declines_what_it_does_not_take():
     """More than one token, experts that do not chain on the input, an F32 projection:
     None (the caller runs the separate calls)."""
-    from k3.model.moe import _group_format
+    from k3.model.moe import group_format
     cfg, tensors, g, dz = _moe_case("k3", "mxfp4", 2)
     ews = list(next(iter(DictWeights(cfg, tensors).expert_groups(1, [0, 1]))).values())
-    _, descs = _group_format(ews)
+    _, descs = group_format(ews)
     wts = torch.rand(1, 2, generator=g)
-    assert fused.moe_decode(_x(g, 2, dz), descs, wts, None, 1e-5, None, None, None, None) is None
-    assert fused.moe_decode(_x(g, 1, dz + 64), descs, wts, None, 1e-5, None, None, None, None) is None
-    assert fused.moe_decode(_x(g, 1, dz), descs, wts, None, 1e-5, None, None, torch.randn(8, dz), None) is None
+    assert moe.moe_decode(_x(g, 2, dz), descs, wts, None, 1e-5, None, None, None, None) is None
+    assert moe.moe_decode(_x(g, 1, dz + 64), descs, wts, None, 1e-5, None, None, None, None) is None
+    assert moe.moe_decode(_x(g, 1, dz), descs, wts, None, 1e-5, None, None, torch.randn(8, dz), None) is None
 
 
 @pytest.mark.parametrize("linear_beta", [None, 0.5])
@@ -276,9 +277,10 @@ def test_expert_ffn_tables_are_grouped_jobs_tables(fmt):
     """expert_ffn builds its two job tables in one compiled pass: they must be the tables
     grouped_jobs makes for the gate | up call and the down call (rows of different
     sizes, an expert with no rows among them)."""
-    from k3.model.fused import _ffn_jobs
-    from k3.quant.bf16 import _bf16_matrix, described, grouped_jobs
-    from k3.quant.mxfp4 import _mxfp4_weight
+    from k3.kernels.bf16 import _bf16_matrix
+    from k3.kernels.launch import described, grouped_jobs
+    from k3.kernels.moe import _ffn_jobs
+    from k3.kernels.mxfp4 import _mxfp4_weight
     cfg, tensors, g, d = _moe_case("k3", fmt, 3)
     prov = DictWeights(cfg, tensors)
     ews = list(next(iter(prov.expert_groups(1, [3, 0, 5, 1]))).values())
@@ -297,7 +299,7 @@ def test_expert_ffn_tables_are_grouped_jobs_tables(fmt):
 
 
 def test_expert_ffn_refuses_shapes_that_do_not_chain():
-    from k3.model.fused import expert_ffn
+    from k3.kernels.moe import expert_ffn
     cfg, tensors, g, d = _moe_case("kimi_linear", "bf16", 0)
     ew = next(iter(DictWeights(cfg, tensors).expert_groups(1, [0]))).get(0)
     z = _x(g, 1, d)
@@ -311,10 +313,10 @@ def test_expert_ffn_refuses_shapes_that_do_not_chain():
 @pytest.fixture(params=[True, False], ids=["vml", "torch-calls"])
 def math_form(request, monkeypatch):
     """Both forms of the fused chains: torch's exp / tanh / log called from the compiled
-    pass (k3.model.vml), and called by torch between two compiled passes."""
+    pass (k3.kernels.vml), and called by torch between two compiled passes."""
     if request.param and not vml.AVAILABLE:
         pytest.skip("torch's vector math is not callable from compiled code in this build")
-    monkeypatch.setattr(fused, "USE_VML", request.param)
+    monkeypatch.setattr(vml, "AVAILABLE", request.param)
     return request.param
 
 
@@ -429,7 +431,7 @@ def test_route_topk_equals_the_sort(E, k, math_form):
         for bias in (None, torch.randn(E, generator=g) * 0.1, (torch.randn(E, generator=g) * 0.1).to(torch.bfloat16),
                      torch.zeros(E)):
             for renorm, scale in ((True, 2.5), (False, 1.0), (True, 1.0)):
-                ids, wts = fused.route_topk(logits, bias, k, renorm, scale)
+                ids, wts = moe.route_topk(logits, bias, k, renorm, scale)
                 rids, rwts = ref_route(logits, bias, k, renorm, scale)
                 assert ids.dtype == torch.int64 and torch.equal(ids, rids), (T, bias, renorm)
                 assert same(wts, rwts)
@@ -456,8 +458,8 @@ def test_online_softmax_tile_equals_the_torch_chain(math_form):
         rden = rden * rcorr + rp.sum(-1, keepdim=True)
         racc = racc * rcorr + v
         rm = m_new
-        p, m, corr = fused.softmax_tile(sc.clone(), m)
-        fused.softmax_merge(den, acc, corr, p.sum(-1, keepdim=True), v)
+        p, m, corr = attention.softmax_tile(sc.clone(), m)
+        attention.softmax_merge(den, acc, corr, p.sum(-1, keepdim=True), v)
         assert same(p, rp) and same(m, rm) and same(corr, rcorr)
         assert same(den, rden) and same(acc, racc)
 
@@ -472,12 +474,12 @@ def _aten_replicated() -> bool:
 
 def ref_attn_mix(V, w, eps):
     """ops.attn_res before the fusion, verbatim: torch's norm, sum and softmax chain."""
-    scaled = fused.norm_rows(V, eps, w)
+    scaled = norms.norm_rows(V, eps, w)
     S, T = V.shape[0], V.shape[1]
     scores = scaled.sum(-1)
     scores = scores.view(1, S) if T == 1 else scores.T.contiguous()
     a = torch.softmax(scores, dim=-1)
-    return fused.weighted_sum(V.permute(1, 0, 2), a)
+    return norms.weighted_sum(V.permute(1, 0, 2), a)
 
 
 def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
@@ -489,14 +491,14 @@ def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
     (AVX2) or 16 (AVX512)."""
     if not _aten_replicated():
         pytest.skip("torch runs neither its AVX2 nor its AVX512 kernels here (the mix keeps torch's chain)")
-    assert fused._rowsum_ok()  # the router's one-call form is on
+    assert aten._rowsum_ok()  # the router's one-call form is on
     g = torch.Generator().manual_seed(5)
     acc = np.empty((4, 4, 8), np.float32)
     for d in (1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 127, 128, 129, 500, 1024, 2304, 4097, 7168, 16384, 40000):
         x = torch.randn(40, d, generator=g) * torch.rand(40, 1, generator=g) * 10
-        got = np.array([fused._torch_row_sum(r, acc) for r in x.numpy()], np.float32)
+        got = np.array([aten._torch_row_sum(r, acc) for r in x.numpy()], np.float32)
         assert np.array_equal(got.view(np.int32), x.sum(-1).numpy().view(np.int32)), d
-    L = fused._VL
+    L = aten._VL
     assert L == (16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
     v = np.empty(2 * L, np.float32)
     for n in list(range(1, 41)) + [63, 64, 65, 100]:
@@ -507,7 +509,7 @@ def test_torch_row_sum_and_softmax_replicas_give_torchs_bits():
         got = x.clone().numpy()
         buf = np.empty(-(-n // L) * L, np.float32)
         for r in got:
-            fused._softmax_row(r, n, buf, v)
+            aten._softmax_row(r, n, buf, v)
         assert np.array_equal(got.view(np.int32), torch.softmax(x, -1).numpy().view(np.int32)), n
 
 
@@ -519,18 +521,18 @@ def test_attn_mix_equals_the_torch_chain(S, T, d, threads):
     a vector (d = 7 takes the chain), and where torch runs those kernels the compiled
     form must be the one running."""
     if _aten_replicated():
-        assert fused._mix_ok()
+        assert attn_res._mix_ok()
     g = torch.Generator().manual_seed(S * 100 + T)
     V = torch.randn(S, T, d, generator=g) * torch.rand(S, T, 1, generator=g) * 20
     V[-1, 0] *= 1e4
     w = torch.randn(d, generator=g) * 2
-    assert same(fused.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6))
+    assert same(attn_res.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6))
     nw = (1.0 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)   # the next pre-norm, same call
-    assert same(fused.attn_mix(V, w, 1e-6, (nw, 1e-5)), ref_rms_norm(ref_attn_mix(V, w, 1e-6), nw, 1e-5))
-    assert same(fused.attn_mix(V.bfloat16().float(), w, 1e-6), ref_attn_mix(V.bfloat16().float(), w, 1e-6))
+    assert same(attn_res.attn_mix(V, w, 1e-6, (nw, 1e-5)), ref_rms_norm(ref_attn_mix(V, w, 1e-6), nw, 1e-5))
+    assert same(attn_res.attn_mix(V.bfloat16().float(), w, 1e-6), ref_attn_mix(V.bfloat16().float(), w, 1e-6))
     # a non-finite source gives NaN where the chain does (the layer's finite check then stops the pass)
     V[0, -1, 3] = float("inf")
-    got, want = fused.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6)
+    got, want = attn_res.attn_mix(V, w, 1e-6), ref_attn_mix(V, w, 1e-6)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
 
 
@@ -552,9 +554,9 @@ def test_attend_latent_one_tile_decode_equals_the_tiles(past, threads, math_form
         tiles = mla.attend_latent(q_lat, q_pe, c, kpe, past, scale)
     assert same(fast, tiles)
     a, b = torch.randn(H * (past + 1), generator=g) * 5, torch.randn(H * (past + 1), generator=g)
-    one = fused.scores_softmax(a, b, scale, H, past + 1)
+    one = attention.scores_softmax(a, b, scale, H, past + 1)
     if one is None:
-        assert not fused.USE_VML or not fused._rowsum_ok()
+        assert not vml.AVAILABLE or not aten._rowsum_ok()
         return
     sc = (a + b).view(H, past + 1) * scale
     rp = torch.exp(sc - sc.amax(-1, keepdim=True))
@@ -587,7 +589,7 @@ def test_fused_kda_decay(T, threads, math_form):
             for lb in (-5.0, None):
                 ref = ref_kda_decay(u, a_log, dt_bias, H, lb)
                 assert same(kda.kda_decay(u, a_log, dt_bias, H, lb), ref)
-                g2, eg = fused.kda_decay(u, a_log, dt_bias, H, lb, with_exp=True)  # the recurrence's exp(g)
+                g2, eg = k_kda.kda_decay(u, a_log, dt_bias, H, lb, with_exp=True)  # the recurrence's exp(g)
                 assert same(g2, ref) and same(eg, torch.exp(ref))
 
 
@@ -688,7 +690,7 @@ def test_fused_norms_and_sums(T, threads):
             assert same(ops.rms_norm(x[:, :n], w[:n], eps), ref_rms_norm(x[:, :n], w[:n], eps))
     c = torch.randn(T, 8, d, generator=g)
     wts = torch.rand(T, 8, generator=g)
-    assert same(fused.weighted_sum(c, wts), ref_weighted_sum(c, wts))
+    assert same(norms.weighted_sum(c, wts), ref_weighted_sum(c, wts))
     srcs = [torch.randn(T, d, generator=g) for _ in range(4)]
     nw, pw = 1.0 + 0.02 * torch.randn(d, generator=g), torch.randn(1, d, generator=g) / d ** 0.5
     assert same(ops.attn_res(srcs, nw, pw, 1e-5), ref_attn_res(srcs, nw, pw, 1e-5))
@@ -728,7 +730,7 @@ def test_kda_inputs_equal_the_ops_one_by_one(T, threads, math_form):
     xs = [wide[:, :H * D], wide[:, H * D:2 * H * D], wide[:, 2 * H * D:2 * H * D + H * dv]]
     b = wide[:, 2 * H * D + H * dv:]
     for states in ([None] * 3, [torch.randn(K - 1, x.shape[1], generator=g) for x in xs]):
-        q, k, v, news, beta = fused.kda_inputs(xs, ws, states, b, H, 1e-6, D ** -0.5)
+        q, k, v, news, beta = k_kda.kda_inputs(xs, ws, states, b, H, 1e-6, D ** -0.5)
         outs, rnews = ops.short_convs([x.contiguous() for x in xs], ws, states)
         assert same(q, ops.l2_norm(outs[0].reshape(T, H, D), 1e-6, D ** -0.5))
         assert same(q, ref_l2_norm(outs[0].reshape(T, H, D), 1e-6) * D ** -0.5)
@@ -738,7 +740,7 @@ def test_kda_inputs_equal_the_ops_one_by_one(T, threads, math_form):
     o = torch.randn(T, H, dv, generator=g) * 5.0
     z = _x(g, T, H * dv) * 4.0
     w = (1.0 + 0.1 * torch.randn(dv, generator=g)).to(torch.bfloat16)
-    assert same(fused.norm_gate(o, w, 1e-5, z), ops.gate(ref_rms_norm(o, w, 1e-5).reshape(T, -1), z))
+    assert same(k_kda.norm_gate(o, w, 1e-5, z), ops.gate(ref_rms_norm(o, w, 1e-5).reshape(T, -1), z))
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -746,10 +748,10 @@ def test_add_norm_is_the_add_then_the_norm(T):
     g = torch.Generator().manual_seed(T)
     h, a = torch.randn(T, 200, generator=g) * 3, torch.randn(T, 200, generator=g) * 1e3
     w = (1.0 + 0.1 * torch.randn(200, generator=g)).to(torch.bfloat16)
-    s, y = fused.add_norm(h, a, w, 1e-6)
+    s, y = norms.add_norm(h, a, w, 1e-6)
     assert same(s, h + a) and same(y, ref_rms_norm(h + a, w, 1e-6))
     with pytest.raises(ValueError, match="differ"):
-        fused.add_norm(h, a[:, :100], w, 1e-6)
+        norms.add_norm(h, a[:, :100], w, 1e-6)
 
 
 @pytest.mark.parametrize("T", [1, 3])
@@ -766,12 +768,12 @@ def test_moe_mix_equals_the_ops_one_by_one(T, situ, math_form):
     nw = (1.0 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)
     flat = torch.randn(T, 2 * inter, generator=g) * 6.0
     gu = (flat[:, :inter], flat[:, inter:])
-    glu = (lambda a, b: fused.situ_glu(a, b, *situ)) if situ is not None else fused.silu_glu
-    r, h = fused.moe_mix(contrib, wts, nw, 1e-5, gu, situ)
-    assert same(r, ref_rms_norm(fused.weighted_sum(contrib, wts), nw, 1e-5))
+    glu = (lambda a, b: norms.situ_glu(a, b, *situ)) if situ is not None else norms.silu_glu
+    r, h = moe.moe_mix(contrib, wts, nw, 1e-5, gu, situ)
+    assert same(r, ref_rms_norm(norms.weighted_sum(contrib, wts), nw, 1e-5))
     assert same(r, ops.rms_norm(ref_weighted_sum(contrib, wts), nw, 1e-5))
     assert same(h, glu(gu[0].contiguous(), gu[1].contiguous()))
-    r2, h2 = fused.moe_mix(contrib, wts, None, 1e-5, None, situ)
+    r2, h2 = moe.moe_mix(contrib, wts, None, 1e-5, None, situ)
     assert h2 is None and same(r2, ref_weighted_sum(contrib, wts))
 
 
@@ -795,14 +797,14 @@ def test_kda_decode_equals_the_calls_one_by_one(lower_bound, T, threads):
     for S0, states in ((None, [None] * 3),
                        (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, x.shape[1], generator=g) for x in xs])):
         keep = None if S0 is None else S0.clone()
-        got = fused.kda_decode(xs, ws, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H, lower_bound, S0,
+        got = k_kda.kda_decode(xs, ws, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H, lower_bound, S0,
                                torch.empty(H, dk, dv), ow, 1e-5, z)
-        q, k, v, news, beta = fused.kda_inputs(xs, ws, states, b, H, 1e-6, dk ** -0.5)
-        gl, eg = fused.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
-        o, S = fused.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
-        want = fused.norm_gate(o, ow, 1e-5, z)
+        q, k, v, news, beta = k_kda.kda_inputs(xs, ws, states, b, H, 1e-6, dk ** -0.5)
+        gl, eg = k_kda.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
+        o, S = k_kda.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
+        want = k_kda.norm_gate(o, ow, 1e-5, z)
         if got is None:  # the one-call form is off here (no fused math)
-            assert not fused.USE_VML
+            assert not vml.AVAILABLE
             continue
         assert same(got[0], want) and same(got[1], S)
         assert len(got[2]) == 3 and all(same(a, r) for a, r in zip(got[2], news))
@@ -831,17 +833,17 @@ def test_kda_decode_layer_equals_the_separate_calls(lower_bound, low_rank_gate, 
     for S0, states in ((None, [None] * 3),
                        (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, c.shape[0], generator=g) for c in conv])):
         keep = None if S0 is None else S0.clone()
-        got = fused.kda_decode_layer(x, ws, f_b, g_b, conv, states, 1e-6, dk ** -0.5, a_log, dtb, H, lower_bound,
+        got = kda_region.kda_decode_layer(x, ws, f_b, g_b, conv, states, 1e-6, dk ** -0.5, a_log, dtb, H, lower_bound,
                                      S0, torch.empty(H, dk, dv), ow, 1e-5, o_w)
         q_in, k_in, v_in, f_a, b, z = ops.linears(x, ws)
         u = ops.linear(f_a, f_b)
         if g_b is not None:
             z = ops.linear(z, g_b)
-        o, S, news = fused.kda_decode([q_in, k_in, v_in], conv, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H,
+        o, S, news = k_kda.kda_decode([q_in, k_in, v_in], conv, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H,
                                       lower_bound, S0, torch.empty(H, dk, dv), ow, 1e-5, z)
         want = ops.linear(o, o_w)
         if got is None:
-            assert not fused.USE_VML
+            assert not vml.AVAILABLE
             continue
         assert same(got[0], want) and same(got[1], S)
         assert len(got[2]) == 3 and all(same(a, n) for a, n in zip(got[2], news))
@@ -856,9 +858,9 @@ def test_kda_decode_layer_declines_what_it_does_not_take():
     ws = [_bf16(g, n, d) for n in (H * dk, H * dk, H * dv, 8, H, H * dv)]
     args = (_bf16(g, H * dk, 8), None, [torch.randn(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6,
             0.5, torch.zeros(H), torch.zeros(H * dk), H, None, None, None, torch.ones(dv), 1e-5, _bf16(g, d, H * dv))
-    assert fused.kda_decode_layer(_x(g, 2, d), ws, *args) is None
-    assert fused.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].float()], *args) is None
-    assert fused.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].t().contiguous().t()], *args) is None
+    assert kda_region.kda_decode_layer(_x(g, 2, d), ws, *args) is None
+    assert kda_region.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].float()], *args) is None
+    assert kda_region.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].t().contiguous().t()], *args) is None
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -887,7 +889,7 @@ def test_fused_kda_recurrent(T, threads):
 
 
 def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threads):
-    """Attention's matmuls (k3.model.fused.dots / prods): close to a float64 einsum, and
+    """Attention's matmuls (k3.model.attention.dots / prods): close to a float64 einsum, and
     each element's bits the same whether it is computed alone, in a block of rows, or
     with masked (zero-weight) keys after it - which BLAS does not promise (MKL on AVX2
     AMD rounds a 256-key sum differently once 344 zeros follow it)."""
@@ -899,7 +901,7 @@ def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threa
     q2, k2, v2 = q.view(T, -1), k.view(S, -1), v.view(S, -1)
 
     def scores(t0, t1, s1, causal=None):
-        return fused.dots(q2, k2, H, t1 - t0, s1, d, x_at=(t0, 0, 0, d), w_at=(0, 0, 0, d),
+        return attention.dots(q2, k2, H, t1 - t0, s1, d, x_at=(t0, 0, 0, d), w_at=(0, 0, 0, d),
                           causal=causal).view(H, t1 - t0, s1)
 
     sc = scores(0, T, S)
@@ -914,7 +916,7 @@ def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threa
 
     def values(t0, t1, s1, causal=None):
         pp = p[:, t0:t1, :s1].contiguous()
-        return fused.prods(pp.view(-1, s1), v2, H, t1 - t0, dv, s1, x_at=(0, t1 - t0, 0, 0),
+        return attention.prods(pp.view(-1, s1), v2, H, t1 - t0, dv, s1, x_at=(0, t1 - t0, 0, 0),
                            w_at=(0, 0, 0, dv), causal=causal).view(H, t1 - t0, dv)
 
     pv = values(0, T, S)
@@ -925,33 +927,33 @@ def test_fixed_order_matmuls_do_not_depend_on_the_shapes_around_an_element(threa
         assert same(values(t0, t1, s1, causal=30 + t0), pv[:, t0:t1])
     # a shared right side (MLA's latents, the same for every head) and a caller's layout
     lat = torch.randn(S, 64, generator=g)
-    shared = fused.prods(p.reshape(-1, S), lat, H, T, 64, S, x_at=(0, T, 0, 0), out_at=(64, H * 64)).view(T, H, 64)
+    shared = attention.prods(p.reshape(-1, S), lat, H, T, 64, S, x_at=(0, T, 0, 0), out_at=(64, H * 64)).view(T, H, 64)
     for h in range(H):
-        assert same(shared[:, h], fused.prods(p[h], lat, 1, T, 64, S).view(T, 64))
+        assert same(shared[:, h], attention.prods(p[h], lat, 1, T, 64, S).view(T, 64))
     # one row (decode) streams w's rows whole: the bits of the register tiles, bf16 w too
     wb = (torch.randn(H * 37, 100, generator=g) * 0.5).to(torch.bfloat16)
     xq = torch.randn(4, H * 37, generator=g)
-    block = fused.prods(xq, wb, H, 4, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 4, 100)
+    block = attention.prods(xq, wb, H, 4, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 4, 100)
     for t in range(4):
-        one = fused.prods(xq[t:t + 1], wb, H, 1, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 100)
+        one = attention.prods(xq[t:t + 1], wb, H, 1, 100, 37, x_at=(0, 0, 0, 37), w_at=(0, 37, 0, 0)).view(H, 100)
         assert same(one, block[:, t])
 
 
 def test_all_finite_matches_isfinite():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 70, generator=g) * 1e38
-    assert fused.all_finite(x) and fused.all_finite(x[:, ::3]) and fused.all_finite(torch.empty(0, 4))
+    assert norms.all_finite(x) and norms.all_finite(x[:, ::3]) and norms.all_finite(torch.empty(0, 4))
     for bad in (float("inf"), -float("inf"), float("nan")):
         for pos in (0, 69, 131, 209):
             y = x.clone()
             y.view(-1)[pos] = bad
-            assert not fused.all_finite(y) and fused.all_finite(y) == bool(torch.isfinite(y).all())
-    assert not fused.all_finite((x * 1e38))  # overflowed to inf
+            assert not norms.all_finite(y) and norms.all_finite(y) == bool(torch.isfinite(y).all())
+    assert not norms.all_finite((x * 1e38))  # overflowed to inf
 
 
 @pytest.mark.parametrize("what", ["kda_decode", "dots", "dots_causal", "prods", "prods_one_row"])
 def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
-    """Small work runs as a serial twin on the calling thread (``fused._run``): the same
+    """Small work runs as a serial twin on the calling thread (``launch._run``): the same
     block code, so the same bits as the parallel kernel."""
     g = torch.Generator().manual_seed(len(what))
     G, M, N, K = 3, 5, 70, 130
@@ -963,20 +965,20 @@ def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
         ws = [torch.randn(c, 1, 4, generator=g) for c in (H * dk, H * dk, H * dv)]
         b, z = torch.randn(T, H, generator=g), torch.randn(T, H * dv, generator=g)
         S0, ow = torch.randn(H, dk, dv, generator=g), torch.ones(dv).to(torch.bfloat16)
-        run = lambda: torch.cat([r.reshape(-1) for r in fused.kda_decode(  # noqa: E731
+        run = lambda: torch.cat([r.reshape(-1) for r in k_kda.kda_decode(  # noqa: E731
             xs, ws, [None] * 3, b, 1e-6, 0.125, u, torch.zeros(H), torch.zeros(H * dk), H, -5.0, S0,
             torch.empty(H, dk, dv), ow, 1e-5, z)[:2]])
     elif what.startswith("dots"):
         w = torch.randn(G * N, K, generator=g).to(torch.bfloat16)
         causal = 3 if what == "dots_causal" else None
-        run = lambda: fused.dots(x, w, G, M, N, K, x_at=(0, M, 0, 0), w_at=(0, N, 0, 0), causal=causal)  # noqa: E731
+        run = lambda: attention.dots(x, w, G, M, N, K, x_at=(0, M, 0, 0), w_at=(0, N, 0, 0), causal=causal)  # noqa: E731
     else:
         m = 1 if what == "prods_one_row" else M
         w = torch.randn(G * K, 4 * N, generator=g)
-        run = lambda: fused.prods(x, w, G, m, 4 * N, K, x_at=(0, M, 0, 0), w_at=(0, K, 0, 0))  # noqa: E731
+        run = lambda: attention.prods(x, w, G, m, 4 * N, K, x_at=(0, M, 0, 0), w_at=(0, K, 0, 0))  # noqa: E731
     outs = []
     for limit in (0, 1 << 62):                       # the parallel kernel, then its twin
-        monkeypatch.setattr(fused, "_SERIAL", limit)
+        monkeypatch.setitem(launch.SERIAL_LIMITS, "ops", limit)
         outs.append(run())
     assert same(outs[0], outs[1])
 
@@ -1044,36 +1046,40 @@ def _mla_case(arch, lora, gated, seed):
 @pytest.mark.parametrize("arch,lora,gated", [("k3", True, True), ("k3", False, True), ("kimi_linear", True, False),
                                              ("kimi_linear", False, False)])
 def test_mla_decode_layer_equals_the_separate_calls(arch, lora, gated, threads, monkeypatch):
-    """Latent MLA's one-token step in one parallel region (fused.mla_decode_layer, from
-    mla_layer) against the same step as separate calls (the region turned off), bit for
-    bit, from an empty cache on over several positions: the outputs and the cache rows
-    it writes; with and without q LoRA and the output gate. A cache past one key tile
-    takes the separate calls (the region's softmax is one tile's)."""
-    from k3.model import mla
+    """Latent MLA's one-token step in one parallel region (mla_region.mla_decode_layer, as
+    the compiled path runs it) against the plain mla_layer, bit for bit, from an empty
+    cache on over several positions: the outputs and the cache rows it writes; with and
+    without q LoRA and the output gate. A cache past one key tile takes the plain
+    forward (the region's softmax is one tile's)."""
+    from k3.model import compiled, mla
     cfg, w, g = _mla_case(arch, lora, gated, 7 + 2 * lora + gated)
     took = []
 
     def counted(*a):
-        y = fused.mla_decode_layer(*a)
+        y = mla_region.mla_decode_layer(*a)
         took.append(y is not None)
         return y
+    monkeypatch.setattr(compiled, "mla_decode_layer", counted)
+    fast = compiled.Compiled(cfg, None, None)
+
+    def step(x, st, region):
+        y = fast._mla(w, x, st, None) if region else None
+        return mla.mla_layer(cfg, w, x, st) if y is None else y
     xs = [_x(g, 1, cfg.hidden_size) * 2.0 for _ in range(5)]
     runs = []
-    for region in (counted, lambda *a: None):
-        monkeypatch.setattr(mla, "mla_decode_layer", region)
+    for region in (True, False):
         st = mla.MLAState(latent=True)
-        ys = [mla.mla_layer(cfg, w, torch.cat(xs[:2]), st)] + [mla.mla_layer(cfg, w, x, st) for x in xs[2:]]
+        ys = [mla.mla_layer(cfg, w, torch.cat(xs[:2]), st)] + [step(x, st, region) for x in xs[2:]]
         runs.append((ys, st.k.clone(), st.v.clone()))
-    assert took == [fused.USE_VML] * 3
+    assert took == [vml.AVAILABLE] * 3
     (a, ka, va), (b, kb, vb) = runs
     assert all(same(p, q) for p, q in zip(a, b)) and same(ka, kb) and same(va, vb)
-    # past a key tile: not the region's (one softmax tile), the separate calls' bits
+    # past a key tile: not the region's (one softmax tile), the plain forward's bits
     took.clear()
     st = mla.MLAState(latent=True)
     st.append(torch.randn(mla.K_TILE, cfg.kv_lora_rank, generator=g), torch.randn(mla.K_TILE, cfg.qk_rope_head_dim,
                                                                                   generator=g))
-    monkeypatch.setattr(mla, "mla_decode_layer", counted)
-    mla.mla_layer(cfg, w, xs[0], st)
+    step(xs[0], st, True)
     assert took == [] and st.length == mla.K_TILE + 1
 
 
@@ -1088,10 +1094,10 @@ def test_mla_decode_layer_declines_what_it_does_not_take():
     ws = [w[a + n + ".weight"] for n in names]
 
     def call(x, ws, kb, vb, past=0):
-        return fused.mla_decode_layer(x, *ws, kb, vb, past, H, nope, rope, vd, 1e-6, 0.1)
+        return mla_region.mla_decode_layer(x, *ws, kb, vb, past, H, nope, rope, vd, 1e-6, 0.1)
     kb, vb = np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32)
     x = _x(g, 1, cfg.hidden_size)
-    if not fused.USE_VML:
+    if not vml.AVAILABLE:
         assert call(x, ws, kb, vb) is None
         return
     assert call(x, ws, kb, vb) is not None and kb[0].any()
@@ -1114,7 +1120,7 @@ def test_layer_ends_in_the_mixer_region_give_the_separate_calls_bits(arch, tmp_p
     regions that stop after the router (experts not all held). The expert cache counts
     the experts used from a held layer as it counts fetched ones."""
     from k3 import synth
-    from k3.model import stack
+    from k3.model import compiled
     d = synth.synthesize(tmp_path / "m", preset="small", arch=arch, seed=5, layers=3)  # (tiny: top-4, no top-k here)
     prompt = [5, 17, 99, 300, 42, 7]
     with k3.load(d, threads=threads, log=lambda *a, **k: None) as eng:
@@ -1124,7 +1130,7 @@ def test_layer_ends_in_the_mixer_region_give_the_separate_calls_bits(arch, tmp_p
                 for _ in prov.expert_groups(i, range(cfg.num_experts)):
                     pass
         made = []
-        real_plain, real_mix = stack.plain_end, stack.attn_res_end
+        real_plain, real_mix = compiled.plain_end, compiled.mix_end
 
         def keep(f):
             def g(*a):
@@ -1146,20 +1152,20 @@ def test_layer_ends_in_the_mixer_region_give_the_separate_calls_bits(arch, tmp_p
             counts.append(tuple(after[k] - before[k] for k in ("requests", "hits", "misses")))
             return torch.cat(out)
 
-        monkeypatch.setattr(stack, "plain_end", keep(real_plain))
-        monkeypatch.setattr(stack, "attn_res_end", keep(real_mix))
+        monkeypatch.setattr(compiled, "plain_end", keep(real_plain))
+        monkeypatch.setattr(compiled, "mix_end", keep(real_mix))
         whole = run()
-        if fused.USE_VML:
+        if vml.AVAILABLE:
             ends = [e for e in made if e is not None]
             assert ends and all(e.done for e in ends)
             assert sum(e.out is not None for e in ends) == 4 * sum(cfg.is_moe(i) for i in range(eng.n_layers))
-        monkeypatch.setattr(prov, "resident_experts", lambda i: None)
+        monkeypatch.setattr(eng.model.fast, "resident", lambda i: None)
         routed = run()
-        if fused.USE_VML:
+        if vml.AVAILABLE:
             assert any(e is not None and e.ids is not None for e in made)
             assert all(e.done and e.out is None for e in made if e is not None)
-        monkeypatch.setattr(stack, "plain_end", lambda *a: None)
-        monkeypatch.setattr(stack, "attn_res_end", lambda *a: None)
+        monkeypatch.setattr(compiled, "plain_end", lambda *a: None)
+        monkeypatch.setattr(compiled, "mix_end", lambda *a: None)
         separate = run()
     assert counts[0] == counts[1] == counts[2] and counts[0][2] == 0
     assert same(whole, separate) and same(routed, separate)

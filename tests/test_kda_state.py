@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.model import kda
+from k3.model import compiled, kda, kda_state
 from k3.synth import synthesize
 
 from engines import open_engine
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 
 def _kda_layers(st):
-    return [ls for ls in st.layers if isinstance(ls, kda.KDAState)]
+    return [ls for ls in st.layers if isinstance(ls, kda_state.KDAState)]
 
 
 def test_snapshots_keep_their_matrices_while_the_state_reuses_the_rest(model_dir):
@@ -54,18 +54,18 @@ def test_snapshots_keep_their_matrices_while_the_state_reuses_the_rest(model_dir
 
 
 def test_a_matrix_the_state_did_not_make_is_never_reused():
-    st = kda.KDAState()
+    st = kda_state.KDAState()
     foreign = torch.zeros(2, 4, 4)
     st.S = foreign                                            # e.g. read from a state file
     st.advance(torch.ones(2, 4, 4))
-    assert kda._pool_take((2, 4, 4)) is None
+    assert kda_state.pool_take((2, 4, 4)) is None
     mine = st.S
     st.advance(torch.ones(2, 4, 4))                           # a matrix it made, unpinned: reused
-    assert kda._pool_take((2, 4, 4)) is mine
+    assert kda_state.pool_take((2, 4, 4)) is mine
     st.pin()
     pinned = st.S
     st.advance(torch.ones(2, 4, 4))
-    assert kda._pool_take((2, 4, 4)) is None and pinned.sum() == 2 * 4 * 4
+    assert kda_state.pool_take((2, 4, 4)) is None and pinned.sum() == 2 * 4 * 4
 
 
 def test_decode_reuses_matrices_through_its_per_pass_snapshots(model_dir, monkeypatch):
@@ -74,14 +74,15 @@ def test_decode_reuses_matrices_through_its_per_pass_snapshots(model_dir, monkey
     layer's step writes into a matrix the pool hands back, while a snapshot the caller
     took (and never released) keeps its matrices and restores exactly."""
     taken = []
-    take = kda._pool_take
+    take = kda_state.pool_take
 
     def counted(shape):
         t = take(shape)
         taken.append(t is not None)
         return t
 
-    monkeypatch.setattr(kda, "_pool_take", counted)
+    monkeypatch.setattr(kda, "pool_take", counted)
+    monkeypatch.setattr(compiled, "pool_take", counted)
     with open_engine(model_dir, max_context=64) as eng:
         st = eng.new_state()
         list(eng.decode(PROMPT, state=st, max_tokens=1))

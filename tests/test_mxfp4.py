@@ -1,4 +1,4 @@
-"""MXFP4 decode (bit-exact) and fused decode+matmul (k3.quant.mxfp4).
+"""MXFP4 decode (bit-exact) and fused decode+matmul (k3.kernels.mxfp4).
 
 References: compressed-tensors' MXFP4PackedCompressor (an independent decoder), the
 frozen real-data vector of spec section 4, and the real checkpoint bytes of
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3.quant import E2M1, decode_mxfp4, get_num_threads, max_threads, mxfp4_linear, set_num_threads
+from k3.kernels import E2M1, decode_mxfp4, get_num_threads, max_threads, mxfp4_linear, set_num_threads
 
 from k3fixtures import FIXTURES
 
@@ -213,7 +213,7 @@ def test_decode_path_gives_the_same_bits_for_every_scale_byte():
     scale[256:] = rng.integers(0, 256, (64, C // 32), dtype=np.uint8)
     scale[256:288] = rng.integers(100, 140, (32, C // 32), dtype=np.uint8)
     scale[260, 3] = 255
-    from k3.quant.mxfp4 import _NTF
+    from k3.kernels.mxfp4_tiles import _NTF
     n = _NTF + 2                                       # the many-token path
     x = torch.from_numpy(rng.standard_normal((n, C)).astype(np.float32))
     yn = mxfp4_linear(x, packed, scale)
@@ -259,8 +259,8 @@ def test_many_token_jobs_give_one_token_bits(C):
     from inside x (x0 > 0), more tokens than one super tile (_GST), row blocks cut short,
     tails and rows of nothing but tail, zero groups and the subnormal factor: every
     output has the bits of its token computed alone."""
-    from k3.quant import mxfp4 as MX
-    from k3.quant import mxfp4_grouped
+    from k3.kernels import mxfp4_grouped
+    from k3.kernels import mxfp4_tiles as MX
     rng = np.random.default_rng(C + 1)
     R = 8 * 3 + 5
     packed, scale = _random_weight(rng, R, C)
@@ -281,8 +281,7 @@ def test_one_token_kernels_give_the_general_kernels_bits(C, monkeypatch):
     """Decode's compact one-token kernels (parallel, and serial below a work limit) give
     the bits of the general kernel's one-token path (which a table holding a job of more
     tokens goes to): whole steps, tails, rows for the byte-lane decode."""
-    from k3.quant import mxfp4 as MX
-    from k3.quant import mxfp4_grouped
+    from k3.kernels import launch, mxfp4_grouped
     rng = np.random.default_rng(C)
     R = 70
     packed, scale = _random_weight(rng, R, C)
@@ -291,7 +290,7 @@ def test_one_token_kernels_give_the_general_kernels_bits(C, monkeypatch):
     ws = [(packed, scale), (packed[:33], scale[:33])]
     want = mxfp4_grouped(x, ws + [(packed[:5], scale[:5])], [(1, 2), (0, 1), (0, 2)])[: R + 33]
     for limit in (0, 1 << 62):                        # the parallel kernel, the serial one
-        monkeypatch.setattr(MX, "_T1_SERIAL_WORK", limit)
+        monkeypatch.setitem(launch.SERIAL_LIMITS, "mxfp4", limit)
         got = mxfp4_grouped(x, ws, [(1, 2), (0, 1)])
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), limit
 
@@ -338,8 +337,8 @@ _ISA_SCRIPT = r"""
 import sys, torch, warnings
 from numba.core.errors import NumbaPerformanceWarning
 warnings.simplefilter("error", NumbaPerformanceWarning)   # a prange loop compiled serial fails
-from k3.quant import mxfp4_grouped, mxfp4_linear
-from k3.quant.bf16 import kernel_isa   # the one path both kernels compiled
+from k3.kernels import mxfp4_grouped, mxfp4_linear
+from k3.kernels.cpu import kernel_isa   # the one path both kernels compiled
 g = torch.Generator().manual_seed(7)
 outs = [kernel_isa()]
 for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (23, 2048, 6), (64, 2048, 16),
@@ -352,7 +351,7 @@ for R, C, T in ((40, 64 * 7 + 32, 1), (96, 1024, 1), (17, 4096, 3), (23, 2048, 6
     outs.append(mxfp4_linear(x, p, s))
     outs.append(mxfp4_grouped(x, [(p, s), (p[: R // 2], s[: R // 2])], [(0, T), (T - 1, T)]))
 # the BF16 tiles too (their register width and lane order follow the path)
-from k3.quant import bf16_grouped, bf16_linear
+from k3.kernels import bf16_grouped, bf16_linear
 for N, K, T in ((29, 64 * 9 + 5, 1), (37, 4096, 1), (50, 2048 + 64, 2), (31, 4096, 5), (25, 640, 9)):
     w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(T, K, generator=g)
@@ -368,7 +367,7 @@ def _isa_paths() -> tuple[list[str], str]:
     feats = ll.get_host_cpu_features()
     paths = ["generic"] + (["avx2"] if feats.get("avx2") else []) + \
         (["avx512"] if feats.get("avx2") and feats.get("avx512bw") else [])
-    from k3.quant.bf16 import _ISA as native_isa
+    from k3.kernels.cpu import _ISA as native_isa
     return paths, native_isa
 
 
@@ -448,7 +447,7 @@ def test_scaled_table_is_e2m1_times_the_scale_for_every_byte():
     and rounded once (every value is exact in fp32); row 255 zero (a zero group: the
     values x +0.0, so the negative nibbles give -0.0, as a multiply by the factor does).
     Compared bit for bit, zeros' signs included."""
-    from k3.quant.mxfp4 import _SCALED_E2M1
+    from k3.kernels.mxfp4_ir import _SCALED_E2M1
     mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     val = np.concatenate([mag, -mag])                   # nibble 8 is -0: +0.0 in registers
     val[8] = 0.0

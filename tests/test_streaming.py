@@ -23,7 +23,7 @@ from k3 import synth
 from k3.checkpoint.layout import CheckpointLayout
 from k3.config import load_config
 from k3.memory.streaming import model_sizes
-from k3.quant import get_num_threads, set_num_threads
+from k3.kernels import get_num_threads, set_num_threads
 
 from engines import greedy_ids, open_engine
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from k3 import synth
-from k3.quant.mxfp4 import encode_mxfp4
+from k3.kernels.mxfp4 import encode_mxfp4
 from k3.checkpoint.safetensors import INDEX_NAME, CheckpointIndex, read_shard_header
 from k3.config import load_config
 from k3.errors import UsageError
@@ -406,9 +406,9 @@ def test_encoder_reproduces_frozen_real_vector():
 
 
 def test_encoder_against_project_decoder():
-    mx = pytest.importorskip("k3.quant.mxfp4")
+    mx = pytest.importorskip("k3.kernels.mxfp4")
     if not hasattr(mx, "decode_mxfp4"):
-        pytest.skip("k3.quant.mxfp4.decode_mxfp4 not written yet")
+        pytest.skip("k3.kernels.mxfp4.decode_mxfp4 not written yet")
     torch.manual_seed(1)
     w = torch.randn(64, 128) * 0.02
     packed, scale = encode_mxfp4(w)
@@ -507,7 +507,7 @@ def _kernels(monkeypatch):
     """Plain reference matmuls (bf16 widened, MXFP4 decoded by the spec's rules): this
     test is about the generated weights, not the project's kernels, which have their
     own tests."""
-    import k3.quant as q
+    import k3.kernels as q
 
     monkeypatch.setattr(q, "bf16_linear", lambda x, w: x @ w.to(torch.float32).T, raising=False)
     monkeypatch.setattr(q, "mxfp4_linear", lambda x, p, s: x @ ref_decode(p, s).T, raising=False)

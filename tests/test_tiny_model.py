@@ -149,7 +149,7 @@ def test_gates_from_release_format_checkpoint(tiny, tmp_path):
 def to_release_dtypes(name: str, t: torch.Tensor):
     """The release's storage: BF16 matrices, F32 small vectors, routed experts MXFP4
     where the input width is a multiple of 32 (the tiny w1/w3: 64), else BF16 (w2: 48)."""
-    from k3.quant.mxfp4 import encode_mxfp4
+    from k3.kernels.mxfp4 import encode_mxfp4
 
     if ".experts." in name and t.shape[1] % 32 == 0:
         packed, scale = encode_mxfp4(t)

@@ -1,4 +1,5 @@
-"""Quantisation / matmul kernels (numba): fused BF16 and MXFP4 linears.
+"""k3's compiled kernels (numba): the BF16 and MXFP4 matmuls, the fused per-token ops and
+the one-token layer regions; model math calls them, never the other way round.
 
 Public API::
 
@@ -10,7 +11,7 @@ Public API::
     set_num_threads(n)             # numba threads for these kernels
     get_num_threads()
 
-Every output element has one fixed summation order (see ``k3.quant.bf16``), so the
+Every output element has one fixed summation order (see ``k3.kernels.bf16``), so the
 results are bit-identical for any thread count, any number of tokens per call and any
 grouping (a grouped call gives each product the bits its own linear call gives it).
 """
@@ -52,8 +53,10 @@ def _preload_tbb() -> str | None:
 
 TBB = _preload_tbb()
 
-from .bf16 import LANES, bf16_grouped, bf16_linear  # noqa: E402
-from .mxfp4 import E2M1, decode_mxfp4, mxfp4_grouped, mxfp4_linear  # noqa: E402
+from .bf16 import bf16_grouped, bf16_linear  # noqa: E402
+from .cpu import LANES  # noqa: E402
+from .mxfp4 import decode_mxfp4, mxfp4_grouped, mxfp4_linear  # noqa: E402
+from .mxfp4_ir import E2M1  # noqa: E402
 
 __all__ = ["bf16_linear", "bf16_grouped", "decode_mxfp4", "mxfp4_linear", "mxfp4_grouped", "E2M1", "LANES",
            "set_num_threads", "get_num_threads", "max_threads"]

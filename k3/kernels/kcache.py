@@ -1,8 +1,8 @@
 """Where numba keeps k3's compiled kernels.
 
 numba keys each cached function on its own source file only, but k3's kernels compile
-in code from one another (``bf16`` intrinsics in ``mxfp4`` and ``k3.model.fused``,
-``k3.model.vml`` in ``fused``): after a ``git pull`` that changed ``bf16.py`` alone,
+in code from one another (``simd`` and ``tiles`` intrinsics in ``bf16`` and ``mxfp4``,
+``vml`` in the fused ops): after a ``git pull`` that changed ``bf16.py`` alone,
 the cached ``mxfp4`` and ``fused`` functions would keep the old code. So the kernel
 modules are compiled into a folder named by a hash of every kernel source (and of
 ``K3_KERNEL_ISA``, the path a process compiles): any change to any of them starts a
@@ -25,8 +25,8 @@ from numba.core import config
 
 from .. import env
 
-#: every file with numba-compiled kernel code, relative to the k3 package
-KERNEL_SOURCES = ("quant/bf16.py", "quant/mxfp4.py", "quant/region.py", "model/fused.py", "model/vml.py")
+#: every file of the kernel package (they compile in one another's code), relative to the k3 package
+KERNEL_SOURCES = tuple(sorted(f"kernels/{f.name}" for f in Path(__file__).resolve().parent.glob("*.py")))
 
 _PKG = Path(__file__).resolve().parent.parent
 _DIR: str | None = None

@@ -11,14 +11,12 @@ triangular solve, used for prefill).
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 
 from ..config import KDA_L2_EPS
-from .fused import (kda_decay as fused_kda_decay, kda_decode, kda_decode_layer, kda_inputs, kda_recurrent_steps,
-                    norm_gate)
+from ..kernels.kda import kda_decay as fused_kda_decay
+from ..kernels.kda import kda_inputs, kda_recurrent_steps, norm_gate
+from .kda_state import KDAState, pool_take
 from .ops import grouped_linear, linear, linears
 
 CHUNK = 16
@@ -86,94 +84,6 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, S
 
 
-# A state's matrix S is replaced every step (the math never writes the S it was given:
-# snapshots keep references to it). The replaced one goes back to a one-slot pool per
-# shape, from which the next layer's step takes its output buffer: without it every
-# step of every KDA layer maps, faults in and zeroes a fresh multi-MB block (large
-# blocks are returned to the system when freed, k3.memory.sysmem.return_large_blocks).
-# Only a matrix this module made, that the state still holds and that no snapshot
-# took since, is recycled; anything else (a loaded state file, a restored snapshot's
-# S) is left alone.
-_POOL: dict = {}  # shape -> spare matrices
-_POOL_LOCK = threading.Lock()
-
-
-def _pool_take(shape) -> torch.Tensor | None:
-    with _POOL_LOCK:
-        spare = _POOL.get(tuple(shape))
-        return spare.pop() if spare else None
-
-
-def _pool_give(t: torch.Tensor) -> None:
-    with _POOL_LOCK:
-        _POOL.setdefault(tuple(t.shape), []).append(t)
-
-
-class KDAState:
-    """Carried per-layer state: conv histories for q/k/v and the recurrent matrix.
-    ``record`` (a dict, when set) receives the last pass's recurrence inputs, so that the
-    state can later be rolled back to any position inside that pass (speculative
-    decoding keeps only the accepted tokens): see :func:`rollback`.
-
-    ``S`` is replaced by each step and the replaced matrix reused: a caller that keeps a
-    reference to ``S`` across steps must take a snapshot (InferenceState.snapshot, which
-    calls :meth:`pin`) or copy it. A matrix replaced while pinned is parked; when the
-    last snapshot pinning it is released (:meth:`unpin`, the decode loop's per-pass undo
-    snapshot) it goes to the pool. A snapshot that is never released keeps its matrices
-    out of the pool for good."""
-
-    __slots__ = ("conv_q", "conv_k", "conv_v", "S", "record", "_mine", "_pins", "_parked")
-
-    def __init__(self):
-        self.conv_q = self.conv_k = self.conv_v = None
-        self.S = None
-        self.record = None
-        self._mine = None       # weak reference: the current S when this module made it
-        self._pins = {}         # id(matrix) -> [weak reference, snapshots holding it]
-        self._parked = []       # weak references: matrices this module made, replaced while pinned
-
-    def _pin_entry(self, S):
-        e = self._pins.get(id(S))
-        return e if e is not None and e[0]() is S else None
-
-    def pin(self) -> None:
-        """A snapshot now references S: it is not reused while the snapshot may need it."""
-        S = self.S
-        if S is None:
-            return
-        e = self._pin_entry(S)
-        if e is None:
-            k, pins = id(S), self._pins
-            e = pins[k] = [weakref.ref(S, lambda _r, k=k, pins=pins: pins.pop(k, None)), 0]
-        e[1] += 1
-
-    def unpin(self, S) -> None:
-        """A snapshot that pinned S is released: once nothing pins S and the state has
-        moved past it, S goes to the pool."""
-        e = self._pin_entry(S) if S is not None else None
-        if e is None:
-            return
-        e[1] -= 1
-        if e[1] > 0:
-            return
-        del self._pins[id(S)]
-        if S is not self.S and any(r() is S for r in self._parked):
-            self._parked = [r for r in self._parked if r() is not None and r() is not S]
-            _pool_give(S)
-
-    def advance(self, S: torch.Tensor) -> None:
-        """S becomes the state's matrix (made by this module for it); the one it replaces
-        goes back to the pool if nothing else can hold it (parked while pinned)."""
-        old = self.S
-        self.S = S
-        if old is not None and self._mine is not None and self._mine() is old:
-            if self._pin_entry(old) is None:
-                _pool_give(old)
-            else:
-                self._parked = [r for r in self._parked if r() is not None] + [weakref.ref(old)]
-        self._mine = weakref.ref(S)
-
-
 def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
     """Set st to what it was after the first ``keep`` tokens of the recorded pass, which
     started from conv histories ``conv`` and recurrent state ``S0``: the same operations
@@ -190,27 +100,13 @@ def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
         _, st.S = kda_recurrent(r["q"][:keep], r["k"][:keep], r["v"][:keep], r["g"][:keep], r["beta"][:keep], S0)
 
 
-def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None, end=None) -> torch.Tensor:
-    """Full KDA mixer on the normed input x [T, d]; updates `st` in place if given. ``end``: a
-    k3.model.fused.LayerEnd the one-token region may finish the layer's first half with."""
+def kda_projections(cfg, w, x: torch.Tensor) -> tuple:
+    """The projections of the normed input x [T, d]: (q_in, k_in, v_in, b, u, z), u the
+    decay's raw gate and z the output gate, each [T, ...]; one kernel call for the six
+    that read x, one more for the two second projections of the low-rank gates."""
     T = x.shape[0]
-    H, D = cfg.kda_num_heads, cfg.kda_head_dim
-    st = st if st is not None else KDAState()
     gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
     ws = [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
-    if T == 1 and not chunked and st.record is None:  # decode: the whole step in one parallel region
-        step = kda_decode_layer(x, ws, w["self_attn.f_b_proj.weight"],
-                                None if cfg.kda_full_rank_gate else w["self_attn.g_b_proj.weight"],
-                                [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"],
-                                [st.conv_q, st.conv_k, st.conv_v], KDA_L2_EPS, D ** -0.5, w["self_attn.A_log"],
-                                w["self_attn.dt_bias"], H, cfg.gate_lower_bound, st.S,
-                                _pool_take((H, ws[0].shape[0] // H, ws[2].shape[0] // H)),
-                                w["self_attn.o_norm.weight"], cfg.rms_norm_eps, w["self_attn.o_proj.weight"], end)
-        if step is not None:
-            y, S, (st.conv_q, st.conv_k, st.conv_v) = step
-            st.advance(S)
-            return y
-    # every projection of x in one kernel call
     q_in, k_in, v_in, f_a, b, z = linears(x, ws)
     f_b = w["self_attn.f_b_proj.weight"]
     if cfg.kda_full_rank_gate:
@@ -223,24 +119,34 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
             u, z = linear(f_a, f_b), linear(z, g_b)
         else:
             u, z = flat[:T * f_b.shape[0]].view(T, -1), flat[T * f_b.shape[0]:].view(T, -1)
-    if chunked is None:
-        chunked = T >= CHUNK_MIN_T
-    if st.record is not None:  # a pass that may be rolled back (speculative verification)
-        chunked = False
-    a_log, dt_bias = w["self_attn.A_log"], w["self_attn.dt_bias"]
-    xs, conv_ws = [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"]
-    if not chunked and st.record is None:  # decode: inputs, decay, recurrence, gated norm in one call
-        dv = v_in.shape[1] // H
-        step = kda_decode(xs, conv_ws, [st.conv_q, st.conv_k, st.conv_v], b, KDA_L2_EPS, D ** -0.5, u, a_log,
-                          dt_bias, H, cfg.gate_lower_bound, st.S, _pool_take((H, q_in.shape[1] // H, dv)),
-                          w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)
-        if step is not None:
-            o, S, (st.conv_q, st.conv_k, st.conv_v) = step
-            st.advance(S)
-            return linear(o, w["self_attn.o_proj.weight"])
+    return q_in, k_in, v_in, b, u, z
+
+
+def uses_chunks(T: int, st: KDAState, chunked: bool | None) -> bool:
+    """Whether a pass of T tokens on ``st`` takes the chunked form: prompts from
+    CHUNK_MIN_T tokens unless the caller chose, never a pass that may be rolled back
+    (speculative verification records the recurrent form's inputs)."""
+    if st.record is not None:
+        return False
+    return T >= CHUNK_MIN_T if chunked is None else chunked
+
+
+def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None = None) -> torch.Tensor:
+    """Full KDA mixer on the normed input x [T, d]; updates ``st`` in place if given."""
+    st = st if st is not None else KDAState()
+    return kda_mix(cfg, w, kda_projections(cfg, w, x), st, uses_chunks(x.shape[0], st, chunked))
+
+
+def kda_mix(cfg, w, proj: tuple, st: KDAState, chunked: bool) -> torch.Tensor:
+    """The mixer after its projections (``kda_projections``): convs, norms, decay, the
+    delta rule in the chosen form, the gated output norm and the output projection."""
+    q_in, k_in, v_in, b, u, z = proj
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
     # convs + SiLU, q and k L2-normed per head (q scaled), beta = sigmoid(b): one call
     q, k, v, (st.conv_q, st.conv_k, st.conv_v), beta = kda_inputs(
-        xs, conv_ws, [st.conv_q, st.conv_k, st.conv_v], b, H, KDA_L2_EPS, D ** -0.5)
+        [q_in, k_in, v_in], [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], [st.conv_q, st.conv_k, st.conv_v],
+        b, H, KDA_L2_EPS, D ** -0.5)
+    a_log, dt_bias = w["self_attn.A_log"], w["self_attn.dt_bias"]
     if chunked:
         g, eg = kda_decay(u, a_log, dt_bias, H, cfg.gate_lower_bound), None
     else:  # the recurrent form also takes exp(g), made in the decay's own call
@@ -251,7 +157,7 @@ def kda_layer(cfg, w, x: torch.Tensor, st: KDAState | None, chunked: bool | None
     if chunked:
         o, S = kda_chunked(q, k, v, g, beta, st.S)
     else:
-        o, S = kda_recurrent(q, k, v, g, beta, st.S, into=_pool_take((H, k.shape[-1], v.shape[-1])), eg=eg)
+        o, S = kda_recurrent(q, k, v, g, beta, st.S, into=pool_take((H, k.shape[-1], v.shape[-1])), eg=eg)
     st.advance(S)
     # fla FusedRMSNormGated(activation='sigmoid'): per-head RMSNorm, gain, then gate; all fp32.
     o = norm_gate(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps, z)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MLA_NORM_EPS
-from .fused import dots, mla_decode_layer, prods, scores_softmax, softmax_merge, softmax_tile
+from ..kernels.attention import dots, prods, scores_softmax, softmax_merge, softmax_tile
 from .ops import gate as output_gate, linear, linears, rms_norm
 
 #: keys per tile (fixed absolute positions 0, K_TILE, 2*K_TILE, ...)
@@ -152,10 +152,9 @@ class MLAState:
             self.k, self.v = self.k[:n], self.v[:n]
 
 
-def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None, end=None) -> torch.Tensor:
+def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None) -> torch.Tensor:
     """x [T, d] normed input; attends causally over cached positions + these T, in the
-    state's KV form (expanded when there is no state). ``end``: a k3.model.fused.LayerEnd
-    the one-token region may finish the layer's first half with."""
+    state's KV form (expanded when there is no state)."""
     T = x.shape[0]
     H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     lora = cfg.q_lora_rank is not None
@@ -165,16 +164,6 @@ def mla_layer(cfg, w, x: torch.Tensor, st: MLAState | None, end=None) -> torch.T
     scale = (nope + rope) ** -0.5
     st = st if st is not None else MLAState()
     past = st.length
-    if T == 1 and st.latent and past < K_TILE:  # decode: the whole step in one parallel region
-        kb, vb = st.room(1, (cfg.kv_lora_rank,), (rope,), x)
-        y = mla_decode_layer(x, q_w, w["self_attn.q_a_layernorm.weight"] if lora else None,
-                             w["self_attn.q_b_proj.weight"] if lora else None, kv_a,
-                             w["self_attn.kv_a_layernorm.weight"], w["self_attn.kv_b_proj.weight"], gate_w,
-                             w["self_attn.o_proj.weight"], kb.numpy(), vb.numpy(), past, H, nope, rope, vd,
-                             cfg.mla_norm_eps, scale, end)
-        if y is not None:
-            st.extend(1)
-            return y
     # every projection of x in one kernel call
     ws = [q_w, kv_a]
     if gate_w is not None:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from . import fused
-from ..quant import bf16_grouped, bf16_linear, mxfp4_grouped, mxfp4_linear
-from ..quant.bf16 import described
-from .fused import norm_rows
+from ..kernels import attn_res as k_attn_res, kda as k_kda, norms as k_norms
+from ..kernels import bf16_grouped, bf16_linear, mxfp4_grouped, mxfp4_linear
+from ..kernels.launch import described
+from ..kernels.norms import norm_rows
 from .weights import Mxfp4Weight
 
 
@@ -82,16 +82,16 @@ def linears(x: torch.Tensor, ws) -> list[torch.Tensor] | tuple[torch.Tensor, ...
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)), position-independent (see the module docstring); fused."""
-    return fused.sigmoid(x)
+    return k_norms.sigmoid(x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return fused.silu(x)
+    return k_norms.silu(x)
 
 
 def gate(o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """o * sigmoid(z), elementwise (an output gate; o and z of one shape)."""
-    return fused.gate(o, z)
+    return k_norms.gate(o, z)
 
 
 def vec(w: torch.Tensor) -> torch.Tensor:
@@ -101,19 +101,19 @@ def vec(w: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w * x / sqrt(mean(x^2) + eps); the mean of squares in fp64 in a fixed order, all
-    in one fused call (k3.model.fused.norm_rows)."""
+    in one fused call (k3.kernels.norms.norm_rows)."""
     return norm_rows(x, eps, w)
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta).
     The sigmoid takes the uncapped gate; |out| <= beta*linear_beta. Fused: torch's tanh
-    and exp, the arithmetic around them compiled (k3.model.fused)."""
-    return fused.situ_glu(g, u, beta, linear_beta)
+    and exp, the arithmetic around them compiled (k3.kernels)."""
+    return k_norms.situ_glu(g, u, beta, linear_beta)
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return fused.silu_glu(g, u)
+    return k_norms.silu_glu(g, u)
 
 
 def glu_act(cfg, g, u):
@@ -133,8 +133,8 @@ def short_convs(xs, ws, states):
     """Causal depthwise conv + SiLU of several streams (KDA's q, k, v), one SiLU over all
     of them. Per stream: x [T, C]; w [C, 1, K] (w[:, 0, K-1] multiplies the current
     token); state [K-1, C] = the previous K-1 inputs (None: zeros, sequence start).
-    Returns ([out [T, C]], [new_state [K-1, C]]). Fused (k3.model.fused)."""
-    return fused.short_convs_silu(xs, ws, states)
+    Returns ([out [T, C]], [new_state [K-1, C]]). Fused (k3.kernels)."""
+    return k_kda.short_convs_silu(xs, ws, states)
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
@@ -150,7 +150,7 @@ def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Te
     first, as torch's tensor * number rounds it)."""
     if scale is None:
         return norm_rows(x, eps, mean=False)
-    return norm_rows(x, eps, fused.scale_gain(x.shape[-1], scale), mean=False)
+    return norm_rows(x, eps, k_kda.scale_gain(x.shape[-1], scale), mean=False)
 
 
 def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
@@ -161,20 +161,12 @@ def attn_res(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Te
     dim and the softmax runs along a contiguous last dim (one row per token): a batched
     matrix-vector product (`normed @ w`) and a softmax over a leading dim depend on the
     thread count. ``post_norm``: the mix's rms_norm with that gain (and eps) instead, the
-    next sublayer's pre-norm, in the same call. One fused call (k3.model.fused.attn_mix)."""
-    return fused.attn_mix(torch.stack(sources, 0), described(norm_w, _mix_query, proj_w), eps,
+    next sublayer's pre-norm, in the same call. One fused call (k3.kernels.attn_res.attn_mix)."""
+    return k_attn_res.attn_mix(torch.stack(sources, 0), described(norm_w, mix_query, proj_w), eps,
                           None if post_norm is None else (post_norm, eps))
 
 
-def attn_res_end(bank: list, P: torch.Tensor | None, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
-                 post_norm: torch.Tensor):
-    """The FFN-side mix of a K3 layer (``attn_res(bank + [P + y], ..., post_norm=...)``,
-    P + y being y when P is None) for the mixer's one-token region to finish with: a
-    k3.model.fused.LayerEnd, or None where it cannot."""
-    return fused.mix_end(bank, P, described(norm_w, _mix_query, proj_w), eps, post_norm, eps)
-
-
-def _mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+def mix_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
     """w = fp32(norm) * fp32(proj) of an Attention Residuals mix (kept per live pair of
     weight objects by ``described``: it depends on nothing else)."""
     return vec(norm_w).reshape(-1) * vec(proj_w).reshape(-1)

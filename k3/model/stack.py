@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NumericError
-from .fused import add_norm, all_finite, plain_end
-from .kda import KDAState, kda_layer
+from ..kernels.norms import add_norm, all_finite
+from . import compiled
+from .kda import kda_layer
 from .kda import rollback as kda_rollback
+from .kda_state import KDAState
 from .mla import MLAState, mla_layer
-from .moe import dense_mlp, moe_block, route_in
-from .ops import attn_res, attn_res_end, linear, rms_norm
+from .moe import dense_mlp, moe_block
+from .ops import attn_res, linear, rms_norm
 
 
 @dataclass
@@ -124,57 +126,50 @@ def _finite(x: torch.Tensor, where: str) -> torch.Tensor:
 
 class Model:
     """Pure math over a WeightProvider. `forward` processes new tokens, extending
-    `state` if given (incremental) or starting from nothing (full recompute)."""
+    `state` if given (incremental) or starting from nothing (full recompute).
+
+    ``fused``: run each layer's compiled regions where a step allows (k3.model.compiled;
+    None: unless K3_FUSED=0). The choice is made here, once, per layer; both ways give
+    the same bits."""
 
     def __init__(self, provider, n_layers: int | None = None, kda_chunked: bool | None = None,
-                 kv_latent: bool = True):
+                 kv_latent: bool = True, fused: bool | None = None):
         self.provider = provider
         self.cfg = provider.config
         self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
         self.kda_chunked = kda_chunked
         self.kv_latent = kv_latent  # the MLA KV cache form of the states it makes
+        self.fast = compiled.choose(self.cfg, provider, kda_chunked, fused)   # None: the plain forward
 
     def new_state(self, capacity: int = 0) -> InferenceState:
         return InferenceState.fresh(self.cfg, self.n_layers, capacity, self.kv_latent)
 
-    def _mixer(self, i, w, x, states, cuts, end=None):
-        """The layer's KDA or MLA mixer, run on each sequence's rows with its own state
-        (the only part of a layer that mixes tokens); `cuts` are the row boundaries.
-        ``end``: what a one-token region may finish the layer's first half with
-        (k3.model.fused.LayerEnd; done or not, the mixer's output is returned)."""
-        def one(xs, st, e=None):
+    def mixer(self, i, w, x, states, cuts):
+        """Layer i's KDA or MLA mixer, run on each sequence's rows with its own state (the
+        only part of a layer that mixes tokens); ``cuts`` are the row boundaries."""
+        def one(xs, st):
+            y = None if self.fast is None else self.fast.mixer(i, w, xs, st)
+            if y is not None:
+                return y
             if self.cfg.is_mla(i):
-                return mla_layer(self.cfg, w, xs, st, e)
-            return kda_layer(self.cfg, w, xs, st, self.kda_chunked, e)
+                return mla_layer(self.cfg, w, xs, st)
+            return kda_layer(self.cfg, w, xs, st, self.kda_chunked)
         if len(states) == 1:
-            return one(x, states[0].layers[i], end)
+            return one(x, states[0].layers[i])
         return torch.cat([one(x[a:b], st.layers[i]) for st, a, b in zip(states, cuts, cuts[1:])])
 
-    def _end(self, i, w, end):
-        """``end`` (a LayerEnd or None), asked for the router's projections and top-k too
-        when layer i's FFN is a mixture of experts."""
-        if end is not None and self.cfg.is_moe(i):
-            route_in(end, self.cfg, w, i, self.provider)
-        return end
-
-    def _ffn(self, i, w, x, base, obs, end=None):
-        """base + the layer's FFN of x (the residual add, in the FFN's region where it has one)."""
+    def ffn(self, i, w, x, base, obs):
+        """base + the layer's FFN of x."""
         if self.cfg.is_moe(i):
-            return moe_block(self.cfg, w, x, i, self.provider, obs, end, base)
+            return moe_block(self.cfg, w, x, i, self.provider, obs, base)
         return dense_mlp(self.cfg, w, x, base)
 
     def plain_layer(self, i, w, h, states, cuts, obs=None):
+        """One Kimi-Linear layer: pre-norm residual around the mixer and the FFN."""
         eps = self.cfg.rms_norm_eps
-        post = w["post_attention_layernorm.weight"]
-        end = self._end(i, w, plain_end(h, post, eps)) if len(states) == 1 else None
-        a = self._mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts, end)
-        if end is not None and end.done:  # the region did the add and the norm
-            if end.has_out:   # and the whole MoE block
-                return self._ffn(i, w, None, None, obs, end)
-            h, y = end.h, end.yn
-        else:  # the residual add and the next pre-norm in one call
-            h, y = add_norm(h, a, post, eps)
-        return self._ffn(i, w, y, h, obs, end)
+        a = self.mixer(i, w, rms_norm(h, w["input_layernorm.weight"], eps), states, cuts)
+        h, y = add_norm(h, a, w["post_attention_layernorm.weight"], eps)   # the residual add and the next pre-norm
+        return self.ffn(i, w, y, h, obs)
 
     def attn_res_layer(self, i, w, bank: list, P, states, cuts, obs=None):
         """One K3 layer (docs/MODEL.md §3.2). `bank` is extended in place on block boundaries;
@@ -187,18 +182,11 @@ class Model:
         if i % self.cfg.attn_res_block_size == 0:
             bank.append(P)
             P = None
-        post = w["post_attention_layernorm.weight"]
-        end = self._end(i, w, attn_res_end(bank, P, w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps, post)) \
-            if len(states) == 1 else None
-        a = self._mixer(i, w, xn, states, cuts, end)
-        if end is not None and end.done:  # the region made P + a and the mix
-            if end.has_out:   # and the whole MoE block
-                return self._ffn(i, w, None, None, obs, end)
-            P, yn = end.p, end.yn
-        else:
-            P = a if P is None else P + a
-            yn = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps, post_norm=post)
-        return self._ffn(i, w, yn, P, obs, end)
+        a = self.mixer(i, w, xn, states, cuts)
+        P = a if P is None else P + a
+        yn = attn_res(bank + [P], w["mlp_res_norm.weight"], w["mlp_res_proj.weight"], eps,
+                      post_norm=w["post_attention_layernorm.weight"])
+        return self.ffn(i, w, yn, P, obs)
 
     def hidden(self, ids, state: InferenceState | None = None, observer: Observer | None = None) -> torch.Tensor:
         """Final hidden states (after the last mix, before the final norm) [T, d]."""
@@ -235,10 +223,14 @@ class Model:
         for i in layers:
             w = self.provider.layer(i)
             try:
-                if bank is None:  # Kimi-Linear: plain pre-norm residual
-                    x = _finite(self.plain_layer(i, w, x, states, cuts, observer), f"layer {i}")
-                else:
-                    x = _finite(self.attn_res_layer(i, w, bank, x, states, cuts, observer), f"layer {i}")
+                # one token of one sequence (decode): the layer's compiled regions where chosen
+                y = self.fast.decode_layer(self, i, w, bank, x, states[0].layers[i], observer) \
+                    if self.fast is not None and len(states) == 1 and x.shape[0] == 1 else None
+                if y is None and bank is None:  # Kimi-Linear: plain pre-norm residual
+                    y = self.plain_layer(i, w, x, states, cuts, observer)
+                elif y is None:
+                    y = self.attn_res_layer(i, w, bank, x, states, cuts, observer)
+                x = _finite(y, f"layer {i}")
             finally:  # also on a failed read or an interrupt: a streamer must not keep it held
                 self.provider.release_layer(i)
             if observer is not None:

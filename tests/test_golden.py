@@ -1,0 +1,105 @@
+"""Golden values: today's tokens and logits, bit for bit.
+
+tests/golden/values.json holds, for a fixed set of cases (incremental decode, full
+recompute, a one-pass forward over every position, a prefill read in pieces, a batch of
+three sequences, speculative decoding; 1 and 2 threads; resident and bounded expert
+caches) on three deterministic models (synthetic K3 with MXFP4 experts, synthetic
+Kimi-Linear, the tiny K3 fixture), the greedy tokens and the sha256 of every fp32 logits
+vector, recorded from a known tree by tests/golden/record.py (see its docstring for how
+to re-record). A change that is meant to keep every bit - a kernel refactor, the decode
+loop moved - must pass this unchanged; a change that is meant to change numbers must
+re-record, and say why.
+
+The models are rebuilt here from their seeds; test_models_rebuild_identically tells a
+changed generator apart from changed arithmetic. The values are keyed by nothing about
+the machine: k3's results do not depend on the thread count or on the instruction set
+its kernels compile for (docs/ARCHITECTURE.md), which the slow tests check by forcing
+each set (K3_KERNEL_ISA) in a fresh process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("k3_golden_record", _HERE / "golden" / "record.py")
+golden = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = golden  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(golden)
+
+VALUES = json.loads(golden.VALUES.read_text())
+
+
+def test_values_cover_every_case():
+    """values.json and record.py's case list belong together (re-record after editing either)."""
+    assert VALUES["format"] == golden.FORMAT
+    assert sorted(VALUES["cases"]) == sorted(c.name for c in golden.CASES)
+    assert sorted(VALUES["models"]) == sorted(golden.MODELS)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return golden.build_models(tmp_path_factory.mktemp("golden"))
+
+
+@pytest.fixture(scope="module")
+def changed_models(models) -> dict[str, str]:
+    """{model: which of its files differ from the recorded build} for the models that changed."""
+    out = {}
+    for m, d in models.items():
+        want, got = VALUES["models"][m], golden.model_files(d)
+        bad = sorted(f for f in set(want) | set(got) if want.get(f) != got.get(f))
+        if bad:
+            out[m] = ", ".join(bad)
+    return out
+
+
+def test_models_rebuild_identically(changed_models):
+    """The generator gives the recorded files: otherwise every case of that model would
+    fail for a reason that is not the arithmetic."""
+    assert not changed_models, "model files differ from the recorded build: " + "; ".join(
+        f"{m}: {files}" for m, files in changed_models.items())
+
+
+def _check(results: dict, expected: dict, names, changed_models: dict, where: str = "") -> None:
+    bad = []
+    for n in names:
+        if n not in results:
+            bad.append(f"{n}: not computed")
+            continue
+        msg = golden.diff(n, expected[n], results[n])
+        if msg:
+            model = n.split("/")[0]
+            if model in changed_models:
+                msg += f"\n  (model {model}'s files differ from the recorded build: {changed_models[model]})"
+            bad.append(msg)
+    if bad:
+        pytest.fail(f"{len(bad)} case(s) differ from tests/golden/values.json{where}:\n" + "\n".join(bad),
+                    pytrace=False)
+
+
+@pytest.mark.parametrize("case", golden.CASES, ids=lambda c: c.name)
+def test_case_matches_recorded(case, models, changed_models):
+    results = golden.compute(models, [case])  # puts the thread counts back
+    _check(results, VALUES["cases"], [case.name], changed_models)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_forced_instruction_set_matches_recorded(isa, models, changed_models):
+    """Every case with the kernels compiled for one instruction set (K3_KERNEL_ISA), in a
+    fresh process with a numba cache of its own (record.isa_cache: compiles once per
+    version of the k3 sources, several minutes). The recorded values are the default
+    set's unless record.py found this set to differ (values.json "isa")."""
+    if isa not in golden.isa_paths():
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    import k3
+    tree = Path(k3.__file__).resolve().parent.parent
+    results = golden.compute_in_child(tree, models, golden.forced_isa_env(tree, isa))
+    _check(results, VALUES["isa"].get(isa, VALUES["cases"]), [c.name for c in golden.CASES], changed_models,
+           f" with K3_KERNEL_ISA={isa}")
