@@ -75,7 +75,7 @@ def test_run_out_reports_the_paths_and_k3_fused_0_turns_them_off(model_dir, tmp_
     got = {}
     for fused in ("1", "0"):
         out = tmp_path / f"out{fused}.json"
-        r = subprocess.run([sys.executable, "-m", "k3", "run", str(model_dir), "--ids", "5,17,99", "--gen", "3",
+        r = subprocess.run([sys.executable, "-m", "k3", "run", str(model_dir), "--ids", "5,17,99", "--gen", "3", "--greedy",
                             "--out", str(out)], env=dict(env, K3_FUSED=fused), capture_output=True, text=True,
                            cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr
