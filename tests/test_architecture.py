@@ -130,7 +130,10 @@ def test_the_model_math_has_no_compiled_code():
 
 def test_kernel_files_and_functions_stay_small():
     """No kernel file over ~600 lines, no function over 12 parameters: a region takes its
-    arguments as named structures, not positional lists."""
+    arguments as named structures, not positional lists. An LLVM intrinsic's typer
+    (first parameter ``typingctx``) is exempt: its parameters are the machine operands
+    of one vector instruction sequence (registers and pointers), which numba hands
+    to it one by one."""
     long_files, wide = [], []
     for p in sorted((PKG / "kernels").glob("*.py")):
         text = p.read_text()
@@ -139,6 +142,8 @@ def test_kernel_files_and_functions_stay_small():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
+                if a.args and a.args[0].arg == "typingctx":
+                    continue
                 n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
                 if n > 12:
                     wide.append(f"{p.name}:{node.lineno} {node.name} ({n} parameters)")
