@@ -108,3 +108,13 @@ def test_help_and_presets_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_loading_and_the_decode_loop_stay_apart():
+    """k3.loader opens a model and returns an Engine; the Engine drives the decode loop
+    (k3.decode). Neither knows how a model is opened, and the loop takes its engine as
+    an argument rather than importing it (the cycle test alone would let the two layers
+    swap places)."""
+    graph = import_graph()
+    assert not graph["k3.decode"] & {"k3.engine", "k3.loader"}, sorted(graph["k3.decode"])
+    assert "k3.loader" not in graph["k3.engine"], sorted(graph["k3.engine"])
