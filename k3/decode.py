@@ -239,28 +239,12 @@ class Batch:
         if not active:
             return []
         eng = self.engine
-        segments, blocks = [], []
-        for r in active:
-            if not r.incremental and not r.reading:  # full recompute: re-read the whole sequence
-                r.work, r.reading = eng.model.new_state(len(r.seq)), list(r.seq)
-            st = r.state if r.incremental else r.work
-            piece = r.reading[:prefill_pieces(len(r.reading), eng.prefill_chunk)[0][1]]
-            if self.observer is not None and (len(piece) < len(r.reading) or r.carry.get("fed")):
-                done = r.carry.get("fed", 0)  # a prompt read in several passes: where it is
-                self.observer.on_prefill(done, done + len(r.reading), len(piece))
-            r.drafts, r.withheld = [], 0
-            if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
-                r.drafts = r.drafter.propose(r.max_tokens - r.emitted - 1)
-            blocks.append(piece)
-            segments.append(st)
-        self._weigh_drafts(active, blocks)
-        for i, r in enumerate(active):
-            blocks[i] = blocks[i] + r.drafts
-            segments[i] = (blocks[i], segments[i])
-        snaps = [st.snapshot() for _, st in segments]
-        for r in active:
-            if r.drafts:
-                r.state.record(True)
+        pieces = [self._next_piece(r) for r in active]
+        self._draft(active, pieces)
+        blocks = [p + r.drafts for r, p in zip(active, pieces)]
+        states = [r.state if r.incremental else r.work for r in active]
+        segments = list(zip(blocks, states))
+        snaps = self._snapshot(active, states)
         t0 = time.perf_counter()
         try:
             with pass_threads(sum(len(b) for b in blocks)):
@@ -346,6 +330,40 @@ class Batch:
         for (_, st), snap in zip(segments, snaps):  # the pass is settled: its undo snapshots go
             st.release(snap)
         return out
+
+    def _next_piece(self, r: Request) -> list:
+        """What ``r`` reads this pass before any drafts: its next prefill piece (in full
+        recompute, the whole sequence again once the last re-read is done), or its last
+        token."""
+        if not r.incremental and not r.reading:  # full recompute: re-read the whole sequence
+            r.work, r.reading = self.engine.model.new_state(len(r.seq)), list(r.seq)
+        piece = r.reading[:prefill_pieces(len(r.reading), self.engine.prefill_chunk)[0][1]]
+        if self.observer is not None and (len(piece) < len(r.reading) or r.carry.get("fed")):
+            done = r.carry.get("fed", 0)  # a prompt read in several passes: where it is
+            self.observer.on_prefill(done, done + len(r.reading), len(piece))
+        return piece
+
+    @staticmethod
+    def _snapshot(active: list[Request], states: list) -> list:
+        """Undo snapshots of the states the pass extends (a failed pass goes back to them,
+        a drafted one rolls back within them); a drafted sequence's state also records
+        what rolling back needs."""
+        snaps = [st.snapshot() for st in states]
+        for r in active:
+            if r.drafts:
+                r.state.record(True)
+        return snaps
+
+    # ------------------------------------------------------------ speculative decoding
+    def _draft(self, active: list[Request], pieces: list[list]) -> None:
+        """Each sequence's drafts for this pass: proposed by its drafter when it reads its
+        last token alone (its prompt read, a token emitted), then cut to what is expected
+        to pay (:meth:`_weigh_drafts`)."""
+        for r, piece in zip(active, pieces):
+            r.drafts, r.withheld = [], 0
+            if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
+                r.drafts = r.drafter.propose(r.max_tokens - r.emitted - 1)
+        self._weigh_drafts(active, pieces)
 
     def _weigh_drafts(self, active: list[Request], pieces: list[list]) -> None:
         """Cut each sequence's drafts to what is expected to pay: the number that gives
