@@ -243,41 +243,15 @@ class Batch:
         self._draft(active, pieces)
         blocks = [p + r.drafts for r, p in zip(active, pieces)]
         states = [r.state if r.incremental else r.work for r in active]
-        segments = list(zip(blocks, states))
         snaps = self._snapshot(active, states)
+        rows, where = self._logit_rows(active, blocks)
         t0 = time.perf_counter()
-        try:
-            with pass_threads(sum(len(b) for b in blocks)):
-                h = eng.model.hidden_batch(segments, self.observer)
-                rows, where, at = [], [], 0
-                for r, blk in zip(active, blocks):  # the rows whose logits are needed
-                    at += len(blk)
-                    done_reading = len(blk) - len(r.drafts) == len(r.reading)
-                    if done_reading:
-                        n = 1 + len(r.drafts)
-                        where.append((len(rows), n))
-                        rows.extend(range(at - n, at))
-                    else:
-                        where.append(None)
-                logits = eng.model.logits(h[rows]) if rows else None
-        except BaseException as e:
-            undo = isinstance(e, K3Error) or (isinstance(e, KeyboardInterrupt) and self.undo_on_interrupt)
-            for (_, st), snap, r in zip(segments, snaps, active):
-                st.record(False)
-                if undo:
-                    st.restore(snap)
-                st.release(snap)
-            if isinstance(e, NumericError):
-                raise NumericError(f"step {max(r.emitted for r in active)} "
-                                   f"({sum(len(b) for b in blocks)} tokens read): {e}") from None
-            raise
-        out = []
+        logits = self._forward(active, blocks, states, snaps, rows)
         dt = time.perf_counter() - t0
-        now = eng.counters()
-        d = {k: now[k] - self._counters[k] for k in now}
-        self._counters = now
+        d = self._io_delta()
         if eng.pass_cost is not None:
             eng.pass_cost.observe([len(b) for b in blocks], dt, d)
+        out = []
         for r, blk, w, snap in zip(active, blocks, where, snaps):
             r.reading = r.reading[len(blk) - len(r.drafts):]
             c = r.carry
@@ -288,7 +262,7 @@ class Batch:
             if w is None:  # still reading its prompt (or its sequence, in full recompute): counted at its next token
                 continue
             r.carry = {}
-            rr = logits[w[0]:w[0] + w[1]]
+            rr = logits[w]
             toks, kept = self._pick(r, rr)
             stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
             if stop is not None:
@@ -327,7 +301,7 @@ class Batch:
                 r.reading = emitted[-1:]
             r.passes += 1
             out.append((r, steps))
-        for (_, st), snap in zip(segments, snaps):  # the pass is settled: its undo snapshots go
+        for st, snap in zip(states, snaps):  # the pass is settled: its undo snapshots go
             st.release(snap)
         return out
 
@@ -353,6 +327,56 @@ class Batch:
             if r.drafts:
                 r.state.record(True)
         return snaps
+
+    @staticmethod
+    def _logit_rows(active: list[Request], blocks: list[list]) -> tuple[list[int], list]:
+        """The rows of the pass whose logits are needed - of each sequence done reading,
+        its last token's and its drafts' - and where each sequence's lie among them (a
+        slice; None while it is still reading)."""
+        rows, where, at = [], [], 0
+        for r, blk in zip(active, blocks):
+            at += len(blk)
+            if len(blk) - len(r.drafts) == len(r.reading):
+                n = 1 + len(r.drafts)
+                where.append(slice(len(rows), len(rows) + n))
+                rows.extend(range(at - n, at))
+            else:
+                where.append(None)
+        return rows, where
+
+    def _forward(self, active: list[Request], blocks: list[list], states: list, snaps: list, rows: list[int]):
+        """The forward pass of every block on its state, and the logits of ``rows`` (None
+        if none). A pass that fails is undone (:meth:`_undo`) before the error propagates;
+        a NumericError is raised again naming the step and the tokens read."""
+        model = self.engine.model
+        try:
+            with pass_threads(sum(len(b) for b in blocks)):
+                h = model.hidden_batch(list(zip(blocks, states)), self.observer)
+                return model.logits(h[rows]) if rows else None
+        except BaseException as e:
+            self._undo(e, states, snaps)
+            if isinstance(e, NumericError):
+                raise NumericError(f"step {max(r.emitted for r in active)} "
+                                   f"({sum(len(b) for b in blocks)} tokens read): {e}") from None
+            raise
+
+    def _undo(self, e: BaseException, states: list, snaps: list) -> None:
+        """After a failed pass: the states stop recording and their snapshots go; after a
+        K3Error (or an interrupt, with undo_on_interrupt) they are first restored to them,
+        so they stay usable."""
+        undo = isinstance(e, K3Error) or (isinstance(e, KeyboardInterrupt) and self.undo_on_interrupt)
+        for st, snap in zip(states, snaps):
+            st.record(False)
+            if undo:
+                st.restore(snap)
+            st.release(snap)
+
+    def _io_delta(self) -> dict:
+        """The run's I/O counters since the last pass."""
+        now = self.engine.counters()
+        d = {k: now[k] - self._counters[k] for k in now}
+        self._counters = now
+        return d
 
     # ------------------------------------------------------------ speculative decoding
     def _draft(self, active: list[Request], pieces: list[list]) -> None:
