@@ -167,6 +167,32 @@ class Request:
         return self.finish is not None
 
 
+def _carry(c: dict, seconds: float, fed: int, io: dict) -> None:
+    """Add a pass's time, tokens read and I/O to a sequence's carry: the first Step it
+    emits reports them (a prompt read in several passes reports them all there)."""
+    c["seconds"] = c.get("seconds", 0.0) + seconds
+    c["fed"] = c.get("fed", 0) + fed
+    for k, v in io.items():
+        c[k] = c.get(k, 0) + v
+
+
+def _pass_report(c: dict, drafted: int, accepted: int, withheld: int) -> dict:
+    """The fields of a pass's first Step: the carry ``c`` (see :func:`_carry`) and the
+    pass's drafts. The pass's other Steps report none of it (:data:`_NO_REPORT`)."""
+    return {"seconds": c["seconds"], "fed": c["fed"],
+            "bytes_read": c["expert_bytes_read"] + c["trunk_bytes_read"] + c["table_bytes_read"],
+            "expert_requests": c["expert_requests"], "expert_hits": c["expert_hits"],
+            "expert_bytes_read": c["expert_bytes_read"], "trunk_bytes_read": c["trunk_bytes_read"],
+            "table_bytes_read": c["table_bytes_read"], "net_bytes": c.get("net_bytes", 0),
+            "io_seconds": c["expert_read_seconds"] + c["trunk_device_seconds"],
+            "drafted": drafted, "accepted": accepted, "withheld": withheld}
+
+
+#: a pass's Steps after its first: no time, no tokens read (the other report fields
+#: keep Step's defaults, zero)
+_NO_REPORT = {"seconds": 0.0, "fed": 0}
+
+
 class Batch:
     """THE decode loop: sequences (:class:`Request`) read and generate together, one
     forward pass per :meth:`step`. A pass reads, for each active sequence, its next
@@ -254,57 +280,14 @@ class Batch:
         out = []
         for r, blk, w, snap in zip(active, blocks, where, snaps):
             r.reading = r.reading[len(blk) - len(r.drafts):]
-            c = r.carry
-            c["seconds"] = c.get("seconds", 0.0) + dt
-            c["fed"] = c.get("fed", 0) + len(blk)
-            for k, v in d.items():
-                c[k] = c.get(k, 0) + v
-            if w is None:  # still reading its prompt (or its sequence, in full recompute): counted at its next token
-                continue
-            r.carry = {}
-            rr = logits[w]
-            toks, kept = self._pick(r, rr)
-            stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
-            if stop is not None:
-                toks = toks[:stop + 1]  # the stop token is emitted, never fed
-            if r.drafts:
-                if len(toks) - 1 < len(r.drafts):  # drop what was read past the tokens kept
-                    r.state.rollback(snap, len(toks))
-                r.state.record(False)
-            steps = []
-            for j, tok in enumerate(toks):
-                first = j == 0
-                finish = "stop" if tok in r.stop_ids else "length" if r.emitted == r.max_tokens - 1 else None
-                steps.append(Step(
-                    r.emitted, tok, c["seconds"] if first else 0.0, fed=c["fed"] if first else 0,
-                    bytes_read=(c["expert_bytes_read"] + c["trunk_bytes_read"] + c["table_bytes_read"])
-                    if first else 0, expert_requests=c["expert_requests"] if first else 0,
-                    expert_hits=c["expert_hits"] if first else 0,
-                    expert_bytes_read=c["expert_bytes_read"] if first else 0,
-                    trunk_bytes_read=c["trunk_bytes_read"] if first else 0,
-                    table_bytes_read=c["table_bytes_read"] if first else 0,
-                    net_bytes=c.get("net_bytes", 0) if first else 0,
-                    io_seconds=c["expert_read_seconds"] + c["trunk_device_seconds"] if first else 0.0,
-                    finish=finish, pass_index=r.passes, drafted=len(r.drafts) if first else 0,
-                    accepted=kept if first else 0, withheld=r.withheld if first else 0, batch=len(active),
-                    logits=rr[j].clone() if r.keep_logits or r.emitted == 0 else None))
-                r.emitted += 1
-                r.tokens.append(tok)
-                if finish is not None:
-                    r.finish = finish
-                    break
-            emitted = [s.token for s in steps]
-            r.seq += emitted
-            if r.drafter is not None:
-                r.drafter.extend(emitted)
-            if r.incremental:
-                r.reading = emitted[-1:]
-            r.passes += 1
-            out.append((r, steps))
+            _carry(r.carry, dt, len(blk), d)
+            if w is not None:  # else still reading its prompt (or its sequence, in full recompute): carried
+                out.append((r, self._emit(r, logits[w], snap, len(active))))
         for st, snap in zip(states, snaps):  # the pass is settled: its undo snapshots go
             st.release(snap)
         return out
 
+    # ------------------------------------------------------------ the parts of a pass, in step()'s order
     def _next_piece(self, r: Request) -> list:
         """What ``r`` reads this pass before any drafts: its next prefill piece (in full
         recompute, the whole sequence again once the last re-read is done), or its last
@@ -378,6 +361,33 @@ class Batch:
         self._counters = now
         return d
 
+    def _emit(self, r: Request, rows, snap, batch: int) -> list[Step]:
+        """The Steps ``r`` emits from its ``rows`` of logits (its last token's, then its
+        drafts'), the first carrying what was read since its last token; ``r`` moves past
+        them (``batch``: the sequences in the pass)."""
+        c, r.carry = r.carry, {}
+        toks, kept = self._accept(r, rows, snap)
+        report = _pass_report(c, len(r.drafts), kept, r.withheld)
+        steps = []
+        for j, tok in enumerate(toks):
+            finish = "stop" if tok in r.stop_ids else "length" if r.emitted == r.max_tokens - 1 else None
+            steps.append(Step(r.emitted, tok, finish=finish, pass_index=r.passes, batch=batch,
+                              logits=rows[j].clone() if r.keep_logits or r.emitted == 0 else None,
+                              **(report if j == 0 else _NO_REPORT)))
+            r.emitted += 1
+            r.tokens.append(tok)
+            if finish is not None:
+                r.finish = finish
+                break
+        emitted = [s.token for s in steps]
+        r.seq += emitted
+        if r.drafter is not None:
+            r.drafter.extend(emitted)
+        if r.incremental:
+            r.reading = emitted[-1:]
+        r.passes += 1
+        return steps
+
     # ------------------------------------------------------------ speculative decoding
     def _draft(self, active: list[Request], pieces: list[list]) -> None:
         """Each sequence's drafts for this pass: proposed by its drafter when it reads its
@@ -410,6 +420,20 @@ class Batch:
             r.drafts = r.drafts[:j]
             groups[i] += j
             expect[i] = expected_emitted(rates, j)
+
+    def _accept(self, r: Request, rows, snap) -> tuple[list[int], int]:
+        """The tokens the pass emits for ``r`` (its drafts verified: :meth:`_pick`) up to a
+        stop token, and how many drafts it kept; what was read past the tokens kept is
+        rolled back out of the state."""
+        toks, kept = self._pick(r, rows)
+        stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
+        if stop is not None:
+            toks = toks[:stop + 1]  # the stop token is emitted, never fed
+        if r.drafts:
+            if len(toks) - 1 < len(r.drafts):  # drop what was read past the tokens kept
+                r.state.rollback(snap, len(toks))
+            r.state.record(False)
+        return toks, kept
 
     @staticmethod
     def _pick(r: Request, rows) -> tuple[list[int], int]:
