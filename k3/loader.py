@@ -37,6 +37,54 @@ def _zero_weights(layout, model_dir, allow: bool, say) -> None:
         zeros.refuse(found, model_dir)
 
 
+def _measured_available(budgets: Budgets) -> int:
+    """The memory this process may plan in: what the machine has available now, at most
+    ``stage_gb``."""
+    a = sysmem.meminfo()["MemAvailable"]
+    return a if budgets.stage_gb is None else min(a, int(float(budgets.stage_gb) * 1e9))
+
+
+def _show_and_check(plan, sizes, cfg, stage, say) -> None:
+    """Print the plan to ``say``, then refuse it (K3Error) if it does not fit. In a
+    pipeline the ranks share their plans first, so that a plan refused on any rank
+    stops every rank, naming it; then the pipeline's table is printed."""
+    for n in plan.notes:
+        say(n)
+    say(plan.render())
+    if stage is None:
+        plan.check()
+    else:
+        from . import pipeline
+        try:
+            plan.check()
+            refusal = None
+        except K3Error as e:
+            refusal = e
+        stage.share_plans(pipeline.plan_info(stage, plan, sizes, refusal))
+        say(stage.render(cfg))
+    if plan.trunk is not None and plan.trunk.message:
+        say(plan.trunk.message)
+
+
+def _open_tokenizer(model_dir, cfg) -> tuple:
+    """The folder's tokenizer (None without tiktoken.model), and the K3Error that kept
+    it from opening, if one did: token ids still work then; text needs it, and says why
+    not."""
+    if not (Path(model_dir) / "tiktoken.model").is_file():
+        return None, None
+    from .tokenizer import Tokenizer
+    try:
+        tokenizer = Tokenizer(model_dir)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise UsageError(
+                f"{Path(model_dir) / 'tiktoken.model'}: the tokenizer has {tokenizer.vocab_size} ids (with its "
+                f"256 specials) but the model's vocab_size is {cfg.vocab_size}; they do not belong together. "
+                "Use the tokenizer files of this checkpoint.")
+    except K3Error as e:
+        return None, e
+    return tokenizer, None
+
+
 def _test_faults() -> dict:
     """Read failures injected for tests of the failure path, from K3_TEST_FAULT =
     "KIND:TARGET[:after=N]" (KIND eio|eof|short, TARGET experts|trunk). Not for users."""
@@ -134,14 +182,10 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     if pipeline_timeout is not None and not (isinstance(pipeline_timeout, (int, float)) and 0 < pipeline_timeout < 1e7):
         raise UsageError(f"--pipeline-timeout must be a number of seconds > 0, got {pipeline_timeout}.")
 
-    def measured_available() -> int:
-        a = sysmem.meminfo()["MemAvailable"]
-        return a if budgets.stage_gb is None else min(a, int(float(budgets.stage_gb) * 1e9))
-
     # The memory floor, before anything that could reach it is loaded or compiled: the
     # plan with the kernels' footprint estimated (the interpreter and libraries are
     # measured) must fit, or the run is refused now rather than killed while compiling.
-    available = measured_available()
+    available = _measured_available(budgets)
     floor = sysmem.baseline_bytes() + warmup.KERNELS_BYTES
     if launch is None:
         planner.plan(cfg, model_sizes(layout, packed), budgets, available=available, baseline=floor,
@@ -151,7 +195,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                       f"and the machine has {human(available)} available.")
     kernels = warmup.ensure(warmup.jobs_for(cfg, layout.layer_ids), available=available,
                             notice=notice or say, progress=compile_progress)
-    available = measured_available()  # the compiled kernels now count in the footprint the plan measures
+    available = _measured_available(budgets)  # the compiled kernels now count in the footprint the plan measures
     baseline = sysmem.baseline_bytes()
     stage = None
     if launch is not None:
@@ -168,39 +212,14 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         sizes = model_sizes(layout, packed, tables=stage is None or stage.rank == 0)
         plan = planner.plan(cfg, sizes, budgets, available=available, baseline=baseline,
                             n_layers=layout.layer_ids, pin_order=env.pin_order(), **shape)
-        for n in plan.notes:
-            say(n)
-        say(plan.render())
-        if stage is None:
-            plan.check()
-        else:
-            try:
-                plan.check()
-                refusal = None
-            except K3Error as e:
-                refusal = e
-            stage.share_plans(pipeline.plan_info(stage, plan, sizes, refusal))
-            say(stage.render(cfg))
-        if plan.trunk is not None and plan.trunk.message:
-            say(plan.trunk.message)
+        _show_and_check(plan, sizes, cfg, stage, say)
         t0 = time.perf_counter()
         faults = _test_faults()
         provider = StreamingWeights(layout, plan, packed, trace=trace, reader=ShardFiles(),
                                     expert_reader=ShardFiles(hook=faults.get("experts")),
                                     trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=progress,
                                     tables=stage is None or stage.rank == 0)
-        tokenizer = tok_error = None
-        if (Path(model_dir) / "tiktoken.model").is_file():
-            from .tokenizer import Tokenizer
-            try:
-                tokenizer = Tokenizer(model_dir)
-                if tokenizer.vocab_size > cfg.vocab_size:
-                    raise UsageError(
-                        f"{Path(model_dir) / 'tiktoken.model'}: the tokenizer has {tokenizer.vocab_size} ids (with its "
-                        f"256 specials) but the model's vocab_size is {cfg.vocab_size}; they do not belong together. "
-                        "Use the tokenizer files of this checkpoint.")
-            except K3Error as e:  # token ids still work; text needs it, and says why not
-                tokenizer, tok_error = None, e
+        tokenizer, tok_error = _open_tokenizer(model_dir, cfg)
         if stage is not None and stage.rank == 0:
             model = pipeline.PipelineModel(stage, provider, kda_chunked=kda_chunked, kv_latent=kv == "latent")
         else:
