@@ -34,7 +34,7 @@ import k3.model.moe as moe_mod  # noqa: E402
 import k3.model.ops as ops_mod  # noqa: E402
 import k3.model.stack as stack_mod  # noqa: E402
 import k3  # noqa: E402
-from k3.engine import greedy  # noqa: E402
+from k3.decode import greedy  # noqa: E402
 from k3.model.weights import Mxfp4Weight  # noqa: E402
 
 

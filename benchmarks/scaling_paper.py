@@ -41,8 +41,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from k3 import pipeline
+from k3.decode import max_piece
 from k3.doctor import K3_SLOT_BYTES, K3_TRUNK_BYTES
-from k3.engine import max_piece
 from k3.errors import K3Error
 from k3.memory import planner
 from k3.probe import K3_EXPERT_BYTES
@@ -125,7 +125,7 @@ class Rank:
 
 
 def plan_pipeline(m: K3, n: int, available: int, a, sequences: int = 1) -> list[Rank]:
-    """Every rank's layers and memory plan, as k3.engine.load does under torchrun."""
+    """Every rank's layers and memory plan, as k3.loader.load does under torchrun."""
     cfg = m.cfg
     budgets = (planner.Budgets if a.tables == "auto" else ResidentTables)(preset="auto", trunk="(packed)")
     shape = {"tokens": a.context * sequences, "incremental": True, "prefill_tokens": PIECE * sequences, "spec": 0,

@@ -5,7 +5,7 @@
         for step in eng.generate("Hello", max_tokens=16):
             print(step.text, end="")
 
-`k3.load` returns a :class:`k3.engine.Engine`; see its docstring and README.md.
+`k3.load` (:func:`k3.loader.load`) returns a :class:`k3.engine.Engine`; see their docstrings and README.md.
 Importing k3 itself imports no torch: that happens on the first `load`.
 """
 
@@ -23,8 +23,8 @@ __all__ = ["__version__", "load", "Budgets"]
 
 
 def load(model_dir, **kwargs):
-    """Open a model within a memory plan: see :func:`k3.engine.load`."""
-    from .engine import load as _load
+    """Open a model within a memory plan: see :func:`k3.loader.load`."""
+    from .loader import load as _load
     return _load(model_dir, **kwargs)
 
 

@@ -503,7 +503,7 @@ def estimate(rep: Report, mem: dict, facts: ModelFacts | None, probe) -> tuple[s
 
 def _context_line(lines: list, rep: Report, planner, cfg, sizes, avail: int, baseline: int, trunk) -> None:
     """The longest context an auto plan fits (trunk resident, or packed), in both KV forms."""
-    from .engine import max_piece
+    from .decode import max_piece
     kw = dict(available=avail, baseline=baseline, incremental=True, prefill_tokens=max_piece())
     budgets = planner.Budgets(preset="auto", trunk=trunk)
     n = planner.longest_context(cfg, sizes, budgets, kv_latent=True, **kw)

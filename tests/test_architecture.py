@@ -149,3 +149,13 @@ def test_kernel_files_and_functions_stay_small():
                     wide.append(f"{p.name}:{node.lineno} {node.name} ({n} parameters)")
     assert not long_files, long_files
     assert not wide, "\n".join(wide)
+
+
+def test_loading_and_the_decode_loop_stay_apart():
+    """k3.loader opens a model and returns an Engine; the Engine drives the decode loop
+    (k3.decode). Neither knows how a model is opened, and the loop takes its engine as
+    an argument rather than importing it (the cycle test alone would let the two layers
+    swap places)."""
+    graph = import_graph()
+    assert not graph["k3.decode"] & {"k3.engine", "k3.loader"}, sorted(graph["k3.decode"])
+    assert "k3.loader" not in graph["k3.engine"], sorted(graph["k3.engine"])

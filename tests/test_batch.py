@@ -85,7 +85,7 @@ def test_the_plan_holds_the_state_of_every_sequence_in_the_batch(model_dir):
 
 
 def test_a_long_prompt_joins_in_pieces(model_dir):
-    from k3.engine import PREFILL_CHUNK
+    from k3.decode import PREFILL_CHUNK
 
     long = [(13 * i + 7) % 1000 for i in range(PREFILL_CHUNK * 2 + 40)]
     with open_engine(model_dir, max_context=PREFILL_CHUNK * 3, max_batch=2) as eng:

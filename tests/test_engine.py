@@ -66,9 +66,9 @@ def test_thread_count_does_not_change_results(model):
 
 
 def test_small_passes_run_torch_on_one_thread_and_restore_it(engine):
-    # the engine drops torch to one thread for decode-sized passes (k3.engine.pass_threads):
+    # the engine drops torch to one thread for decode-sized passes (k3.decode.pass_threads):
     # the same tokens and logits as a pass on two threads, and the setting comes back
-    from k3 import engine as engine_mod
+    from k3 import decode as decode_mod
     before = torch.get_num_threads()
     seen = []
     orig = engine.model.hidden_batch
@@ -81,12 +81,12 @@ def test_small_passes_run_torch_on_one_thread_and_restore_it(engine):
         engine.model.hidden_batch = spy
         a = [(s.token, s.logits) for s in engine.decode(PROMPT, max_tokens=4, keep_logits=True)]
         assert torch.get_num_threads() == 2
-        small = engine_mod.SMALL_PASS
-        engine_mod.SMALL_PASS = 0  # every pass on two threads
+        small = decode_mod.SMALL_PASS
+        decode_mod.SMALL_PASS = 0  # every pass on two threads
         try:
             b = [(s.token, s.logits) for s in engine.decode(PROMPT, max_tokens=4, keep_logits=True)]
         finally:
-            engine_mod.SMALL_PASS = small
+            decode_mod.SMALL_PASS = small
     finally:
         engine.model.hidden_batch = orig
         torch.set_num_threads(before)

@@ -636,7 +636,7 @@ def test_chat_refuses_a_state_whose_messages_were_edited(good, saved_state, tmp_
     from k3.chat import ChatSession
     from k3.chat_format import K3Format
     from k3.state import LoadedState
-    from k3.engine import load
+    from k3.loader import load
 
     with load(good, max_context=64) as eng:
         loaded = load_state(saved_state, eng.cfg)

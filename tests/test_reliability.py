@@ -100,7 +100,7 @@ def test_tiled_attention_matches_whole_matrix_softmax(monkeypatch, T, past):
 
 
 def test_prefill_pieces_keep_the_kda_form_of_one_pass():
-    from k3.engine import PREFILL_CHUNK, prefill_pieces
+    from k3.decode import PREFILL_CHUNK, prefill_pieces
     from k3.model.kda import CHUNK, CHUNK_MIN_T
 
     for n in (1, 20, 31, 32, PREFILL_CHUNK, PREFILL_CHUNK + 1, PREFILL_CHUNK + 31, PREFILL_CHUNK + 32, 3000):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3.commands.common import add_sampling_args, sampling_from_args
-from k3.engine import greedy
+from k3.decode import greedy
 from k3.errors import K3Error, UsageError
 from k3.sampling import Sampler, SamplingSettings, generation_defaults, resolve
 from k3.synth import synthesize

@@ -815,7 +815,7 @@ def test_pack_and_stream_a_resaved_layout(tmp_path):
     from safetensors import safe_open
 
     from k3.checkpoint.writer import write_checkpoint
-    from k3.engine import load
+    from k3.loader import load
 
     orig = synth.synthesize(tmp_path / "orig", preset="tiny", seed=4)
     ix = CheckpointIndex.open(orig)

@@ -226,7 +226,8 @@ def run(args) -> int:
     from ..chat import ChatSession, default_history_path, read_history
     from ..chat_format import chat_format_for
     from ..config import check_layers, load_config
-    from ..engine import load, set_threads
+    from ..decode import set_threads
+    from ..loader import load
     from ..memory.planner import kv_bytes_per_position
     from ..units import human
     from ..tokenizer import Tokenizer

@@ -162,7 +162,9 @@ def _prefill_observer(line: LiveLine, n_layers: int):
 def run(args) -> int:
     from ..config import check_layers, load_config
     from .. import env
-    from ..engine import check_ids, load, set_threads
+    from ..decode import set_threads
+    from ..engine import check_ids
+    from ..loader import load
     from ..memory.planner import presets_table
     from ..memory.sysmem import peak_rss_bytes
     from ..units import human
@@ -464,8 +466,8 @@ def _read_jobs(args, cfg) -> tuple[list[dict], object]:
 def _run_batch(args, cfg, budgets, threads, t_start) -> int:
     """Every sequence of the --batch file through one Batch: up to --max-batch at a time,
     the next one joining as soon as one finishes."""
-    from ..engine import load
     from ..fsutil import atomic_write_json
+    from ..loader import load
     from ..memory.sysmem import peak_rss_bytes
     from ..units import human
 

@@ -100,7 +100,8 @@ def _check(args) -> None:
 def run(args) -> int:
     from ..config import check_layers, load_config
     from .. import env
-    from ..engine import load, set_threads
+    from ..decode import set_threads
+    from ..loader import load
     from ..server.app import Server, bind, is_loopback, make_server
     from ..server.metrics import Metrics
     from ..server.protocol import ModelContext, ServeDefaults

@@ -4,7 +4,7 @@
   bodies), prompt rendering (chat formats, tools), sampling per request, and the answer
   builders (``reasoning_content``, ``tool_calls``, stop strings). No web stack.
 * :mod:`k3.server.scheduler` - the one thread that owns the engine: it loads it, admits
-  requests into one :class:`k3.engine.Batch` between steps, frees a slot as soon as a
+  requests into one :class:`k3.decode.Batch` between steps, frees a slot as soon as a
   client goes away, and keeps finished states for prefix reuse
   (:mod:`k3.server.prefix`).
 * :mod:`k3.server.metrics` - counters and their Prometheus text.

@@ -2,7 +2,7 @@
 
 The thread loads the model (``load()``: k3.load with max_batch and max_context, so the
 memory plan covers that many sequences at that context, and a plan that does not fit is
-refused before the server listens), then drives one :class:`k3.engine.Batch`:
+refused before the server listens), then drives one :class:`k3.decode.Batch`:
 
     loop:  drop the jobs whose clients went away (Batch.remove: the slot is free now)
            admit waiting jobs while there are free slots (Batch.add; a kept state whose
@@ -41,7 +41,7 @@ class Job:
         self.events = queue  # an asyncio.Queue of the HTTP side's loop
         self.cancelled = False
         self.ended = False  # the engine is done with it (finished, cancelled or failed)
-        self.request = None  # its k3.engine.Request once admitted
+        self.request = None  # its k3.decode.Request once admitted
         self.cached = 0
         self.prefill = 0
         self.t_submit = time.perf_counter()
@@ -135,7 +135,7 @@ class Scheduler:
     # ------------------------------------------------------------ the engine thread
     def _main(self) -> None:
         try:
-            from ..engine import set_threads
+            from ..decode import set_threads
             set_threads(self.threads)  # OpenMP and numba thread counts are per thread
             self.engine = self._load()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
