@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 #: the memory one compiling helper may reach (RSS: interpreter, torch, numba, LLVM's
-#: modules; measured ~0.75-0.95 GB with the largest job, docs/PERFORMANCE.md)
+#: modules; docs/PERFORMANCE.md, "First run")
 HELPER_BYTES = 1_000_000_000
-#: what loading every compiled kernel adds to a process (RSS; measured ~85 MB)
+#: what loading every compiled kernel adds to a process (RSS, with a margin)
 KERNELS_BYTES = 128 * 1024 * 1024
 
 
@@ -120,8 +120,9 @@ def _kda() -> None:
         for lb in (None, -5.0):
             for S0 in (None, torch.zeros(H, dk, dv)):
                 states = [None] * 3 if S0 is None else [torch.zeros(3, x.shape[1]) for x in xs]
-                kda.kda_decode(xs, ws, states, torch.zeros(1, H), 1e-6, 0.5, u, torch.zeros(H), torch.zeros(H * dk),
-                                 H, lb, S0, torch.empty(H, dk, dv), ow, 1e-6, z)
+                kda.kda_decode(xs, torch.zeros(1, H), u, z, states, S0, torch.empty(H, dk, dv),
+                               kda.KdaWeights(ws, torch.zeros(H), torch.zeros(H * dk), ow),
+                               kda.KdaConsts(H, 1e-6, 0.5, lb, 1e-6))
 
 
 def _mat(n: int, k: int):
@@ -132,14 +133,14 @@ def _mat(n: int, k: int):
 def _kda_region() -> None:
     import torch
 
-    from .kernels import kda_region
+    from .kernels import kda, kda_region
     H, dk, dv = _H, _DK, _DV
     d, r = 64, 8
     ws = [_mat(n, d) for n in (H * dk, H * dk, H * dv, r, H, r)]
-    kda_region.kda_decode_layer(torch.zeros(1, d), ws, _mat(H * dk, r), _mat(H * dv, r),
-                           [torch.zeros(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6, 0.5,
-                           torch.zeros(H), torch.zeros(H * dk), H, None, None, None,
-                           torch.ones(dv, dtype=torch.bfloat16), 1e-6, _mat(d, H * dv))
+    kda_region.kda_decode_layer(torch.zeros(1, d), kda_region.KdaProj(ws, _mat(H * dk, r), _mat(H * dv, r), _mat(d, H * dv)),
+                                kda.KdaWeights([torch.zeros(c, 1, 4) for c in (H * dk, H * dk, H * dv)], torch.zeros(H),
+                                               torch.zeros(H * dk), torch.ones(dv, dtype=torch.bfloat16)),
+                                kda.KdaConsts(H, 1e-6, 0.5, None, 1e-6), [None] * 3, None, None)
 
 
 def _moe_region() -> None:
@@ -174,11 +175,11 @@ def _mla_region() -> None:
         end.experts(moe.expert_descriptors("bf16", [_mat(inter, d)] * 3 * E).reshape(E, 3, -1), None, 1, None, 1e-6,
                     None, None, _mat(d, inter))
     for e in (None, end):
-        mla_region.mla_decode_layer(torch.zeros(1, d), _mat(qr, d), torch.ones(qr, dtype=torch.bfloat16),
-                               _mat(H * (nope + rope), qr), _mat(L + rope, d), torch.ones(L, dtype=torch.bfloat16),
-                               _mat(H * (nope + vd), L), _mat(H * vd, d), _mat(d, H * vd),
-                               np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32), 0, H, nope, rope, vd,
-                               1e-6, 0.25, e)
+        w = mla_region.MlaWeights(_mat(qr, d), torch.ones(qr, dtype=torch.bfloat16), _mat(H * (nope + rope), qr),
+                                  _mat(L + rope, d), torch.ones(L, dtype=torch.bfloat16), _mat(H * (nope + vd), L),
+                                  _mat(H * vd, d), _mat(d, H * vd))
+        mla_region.mla_decode_layer(torch.zeros(1, d), w, mla_region.MlaShape(H, nope, rope, vd, 1e-6, 0.25),
+                                    np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32), 0, e)
 
 
 _RUN: dict[str, Callable[[], None]] = {"matmul": _matmul, "attention": _attention, "kda": _kda,

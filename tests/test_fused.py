@@ -797,8 +797,8 @@ def test_kda_decode_equals_the_calls_one_by_one(lower_bound, T, threads):
     for S0, states in ((None, [None] * 3),
                        (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, x.shape[1], generator=g) for x in xs])):
         keep = None if S0 is None else S0.clone()
-        got = k_kda.kda_decode(xs, ws, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H, lower_bound, S0,
-                               torch.empty(H, dk, dv), ow, 1e-5, z)
+        got = k_kda.kda_decode(xs, b, u, z, states, S0, torch.empty(H, dk, dv), k_kda.KdaWeights(ws, a_log, dtb, ow),
+                               k_kda.KdaConsts(H, 1e-6, dk ** -0.5, lower_bound, 1e-5))
         q, k, v, news, beta = k_kda.kda_inputs(xs, ws, states, b, H, 1e-6, dk ** -0.5)
         gl, eg = k_kda.kda_decay(u, a_log, dtb, H, lower_bound, with_exp=True)
         o, S = k_kda.kda_recurrent_steps(torch.zeros(H, dk, dv) if S0 is None else S0, eg, k, beta, v, q)
@@ -833,14 +833,14 @@ def test_kda_decode_layer_equals_the_separate_calls(lower_bound, low_rank_gate, 
     for S0, states in ((None, [None] * 3),
                        (torch.randn(H, dk, dv, generator=g), [torch.randn(K - 1, c.shape[0], generator=g) for c in conv])):
         keep = None if S0 is None else S0.clone()
-        got = kda_region.kda_decode_layer(x, ws, f_b, g_b, conv, states, 1e-6, dk ** -0.5, a_log, dtb, H, lower_bound,
-                                     S0, torch.empty(H, dk, dv), ow, 1e-5, o_w)
+        wts, consts = k_kda.KdaWeights(conv, a_log, dtb, ow), k_kda.KdaConsts(H, 1e-6, dk ** -0.5, lower_bound, 1e-5)
+        got = kda_region.kda_decode_layer(x, kda_region.KdaProj(ws, f_b, g_b, o_w), wts, consts, states, S0,
+                                          torch.empty(H, dk, dv))
         q_in, k_in, v_in, f_a, b, z = ops.linears(x, ws)
         u = ops.linear(f_a, f_b)
         if g_b is not None:
             z = ops.linear(z, g_b)
-        o, S, news = k_kda.kda_decode([q_in, k_in, v_in], conv, states, b, 1e-6, dk ** -0.5, u, a_log, dtb, H,
-                                      lower_bound, S0, torch.empty(H, dk, dv), ow, 1e-5, z)
+        o, S, news = k_kda.kda_decode([q_in, k_in, v_in], b, u, z, states, S0, torch.empty(H, dk, dv), wts, consts)
         want = ops.linear(o, o_w)
         if got is None:
             assert not vml.AVAILABLE
@@ -856,11 +856,15 @@ def test_kda_decode_layer_declines_what_it_does_not_take():
     g = torch.Generator().manual_seed(1)
     H, dk, dv, d = 2, 8, 8, 16
     ws = [_bf16(g, n, d) for n in (H * dk, H * dk, H * dv, 8, H, H * dv)]
-    args = (_bf16(g, H * dk, 8), None, [torch.randn(c, 1, 4) for c in (H * dk, H * dk, H * dv)], [None] * 3, 1e-6,
-            0.5, torch.zeros(H), torch.zeros(H * dk), H, None, None, None, torch.ones(dv), 1e-5, _bf16(g, d, H * dv))
-    assert kda_region.kda_decode_layer(_x(g, 2, d), ws, *args) is None
-    assert kda_region.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].float()], *args) is None
-    assert kda_region.kda_decode_layer(_x(g, 1, d), ws[:5] + [ws[5].t().contiguous().t()], *args) is None
+    args = (k_kda.KdaWeights([torch.randn(c, 1, 4) for c in (H * dk, H * dk, H * dv)], torch.zeros(H),
+                             torch.zeros(H * dk), torch.ones(dv)), k_kda.KdaConsts(H, 1e-6, 0.5, None, 1e-5),
+            [None] * 3, None, None)
+
+    def proj(ws):
+        return kda_region.KdaProj(ws, _bf16(g, H * dk, 8), None, _bf16(g, d, H * dv))
+    assert kda_region.kda_decode_layer(_x(g, 2, d), proj(ws), *args) is None
+    assert kda_region.kda_decode_layer(_x(g, 1, d), proj(ws[:5] + [ws[5].float()]), *args) is None
+    assert kda_region.kda_decode_layer(_x(g, 1, d), proj(ws[:5] + [ws[5].t().contiguous().t()]), *args) is None
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -966,8 +970,8 @@ def test_serial_twins_give_the_parallel_kernels_bits(what, monkeypatch):
         b, z = torch.randn(T, H, generator=g), torch.randn(T, H * dv, generator=g)
         S0, ow = torch.randn(H, dk, dv, generator=g), torch.ones(dv).to(torch.bfloat16)
         run = lambda: torch.cat([r.reshape(-1) for r in k_kda.kda_decode(  # noqa: E731
-            xs, ws, [None] * 3, b, 1e-6, 0.125, u, torch.zeros(H), torch.zeros(H * dk), H, -5.0, S0,
-            torch.empty(H, dk, dv), ow, 1e-5, z)[:2]])
+            xs, b, u, z, [None] * 3, S0, torch.empty(H, dk, dv),
+            k_kda.KdaWeights(ws, torch.zeros(H), torch.zeros(H * dk), ow), k_kda.KdaConsts(H, 1e-6, 0.125, -5.0, 1e-5))[:2]])
     elif what.startswith("dots"):
         w = torch.randn(G * N, K, generator=g).to(torch.bfloat16)
         causal = 3 if what == "dots_causal" else None
@@ -1094,7 +1098,8 @@ def test_mla_decode_layer_declines_what_it_does_not_take():
     ws = [w[a + n + ".weight"] for n in names]
 
     def call(x, ws, kb, vb, past=0):
-        return mla_region.mla_decode_layer(x, *ws, kb, vb, past, H, nope, rope, vd, 1e-6, 0.1)
+        return mla_region.mla_decode_layer(x, mla_region.MlaWeights(*ws), mla_region.MlaShape(H, nope, rope, vd, 1e-6, 0.1),
+                                           kb, vb, past)
     kb, vb = np.zeros((4, L), np.float32), np.zeros((4, rope), np.float32)
     x = _x(g, 1, cfg.hidden_size)
     if not vml.AVAILABLE:

@@ -429,8 +429,7 @@ def load_tensors(infos, reader: ShardFiles) -> list[torch.Tensor]:
     its own align-widened span, the buffer's whole 2 MiB pages advised as transparent
     huge pages (``aligned_empty``). Tensors read one by one got huge pages only when each
     was 2 MiB or more: the small matrices of small and mid-sized models sat in 4 KiB
-    pages, one TLB entry per 4 KiB while a kernel streams them (docs/PERFORMANCE.md:
-    +10-13 % read rate). Returns the tensors in ``infos``' order, views of the buffer
+    pages, one TLB entry per 4 KiB while a kernel streams them. Returns the tensors in ``infos``' order, views of the buffer
     (they keep it alive), each of its dtype and shape."""
     infos = list(infos)
     spans = [direct_span(i.offset, i.nbytes, reader.align)[1] for i in infos]

@@ -7,7 +7,6 @@ gives the same bits (``rowsum_ok``); elsewhere torch's op runs.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit

@@ -6,7 +6,8 @@ max / exp / sum / merge steps.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -41,10 +42,27 @@ _NTA, _NRA = {"avx512": (4, 4), "avx2": (3, 2), "generic": (2, 2)}[_ISA]
 _tile_a = make_tile(_NTA, _NRA, 1, "any", _V)
 _tile_a1 = make_tile(_NTA, 1, 1, "any", _V)
 
+# The arguments of the compiled products (``_dots*``, ``_prods*``), grouped by meaning. The
+# kernels unpack them by position, so a plain tuple of the same fields serves too (what
+# dots / prods pass: a plain tuple is cheaper to build, and for numba to dispatch on).
+#: an operand's view: batch g reads rows r0 + g*rg + ..., columns o0 + g*og + ... of array a
+Operand = namedtuple("Operand", "a r0 rg o0 og")
+#: the flat output: result (g, i, j) goes to out[g*og + i*ostride + j]
+Target = namedtuple("Target", "out og ostride")
+#: the batch's sizes: G groups of M x N results, each a sum over K
+Dims = namedtuple("Dims", "G M N K")
+#: the causal cut: when on, row i needs only j (dots) or k (prods) <= lim + i
+Limit = namedtuple("Limit", "lim on")
+
 
 @njit(cache=True, nogil=True, inline="always")
-def _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride, acc):
+def _dots_block(b, xv, wv, dims, cut, dst, acc):
     # block b (batch g, query tile i0) of _dots, with the thread's scratch acc
+    x, xr0, xrg, xo0, xog = xv
+    w, wr0, wrg, wo0, wog = wv
+    _, M, N, K = dims
+    lim, causal = cut
+    out, og, ostride = dst
     nj = K // LANES
     km = nj * LANES
     nti = (M + _NTA - 1) // _NTA
@@ -77,21 +95,23 @@ def _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, c
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _dots(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal, out, og, ostride, nth):
+def _dots(xv, wv, dims, cut, dst, nth):
     # out[g*og + i*ostride + j] = dot(x[xr0 + g*xrg + i, xo0 + g*xog + k], w[wr0 + g*wrg + j, wo0 + g*wog + k])
-    # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order);
-    # causal: row i only needs j <= lim + i (later j are left as they are)
+    # over k < K in the canonical order (64 lanes, tree, then the K % 64 tail in order),
+    # with x, xr0, xrg, xo0, xog = xv (an Operand), w... = wv, out, og, ostride = dst;
+    # cut = (lim, on): row i only needs j <= lim + i when on (later j are left as they are)
+    G, M = dims[0], dims[1]
     acc_all = empty64(nth * _NTA * _NRA * LANES).reshape((nth, _NTA * _NRA, LANES))   # a thread's rows own their lines
     for b in prange(G * ((M + _NTA - 1) // _NTA)):
-        _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride,
-                    acc_all[get_thread_id()])
+        _dots_block(b, xv, wv, dims, cut, dst, acc_all[get_thread_id()])
 
 
 @njit(cache=True, nogil=True)
-def _dots_serial(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, causal, out, og, ostride, nth):
+def _dots_serial(xv, wv, dims, cut, dst, nth):
+    G, M = dims[0], dims[1]
     acc = np.empty((_NTA * _NRA, LANES), np.float32)
     for b in range(G * ((M + _NTA - 1) // _NTA)):
-        _dots_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, causal, out, og, ostride, acc)
+        _dots_block(b, xv, wv, dims, cut, dst, acc)
 
 
 def make_tile_nn(max_nt, nv, v):
@@ -209,8 +229,13 @@ _tile_nn = make_tile_nn(_NTN, _NVN, _V)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride):
+def _prods_block(b, xv, wv, dims, cut, dst):
     # block b (batch g, row tile i0) of _prods
+    x, xr0, xrg, xo0, xog = xv
+    w, wr0, wrg, wo0, wog = wv
+    _, M, N, K = dims
+    lim, lim_on = cut
+    out, og, ostride = dst
     nti = (M + _NTN - 1) // _NTN
     g = b // nti
     i0 = (b - g * nti) * _NTN
@@ -243,18 +268,21 @@ def _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, 
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prods(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on, out, og, ostride):
+def _prods(xv, wv, dims, cut, dst):
     # out[g*og + i*ostride + n] = fma chain over k < K (ascending, from +0) of
-    # x[xr0 + g*xrg + i, xo0 + g*xog + k] * w[wr0 + g*wrg + k, wo0 + g*wog + n];
-    # lim_on: row i only sums k <= lim + i, x being zero beyond (+0 lanes stay as they are)
+    # x[xr0 + g*xrg + i, xo0 + g*xog + k] * w[wr0 + g*wrg + k, wo0 + g*wog + n], named as
+    # in _dots; cut = (lim, on): row i only sums k <= lim + i when on, x being zero
+    # beyond (+0 lanes stay as they are)
+    G, M = dims[0], dims[1]
     for b in prange(G * ((M + _NTN - 1) // _NTN)):
-        _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride)
+        _prods_block(b, xv, wv, dims, cut, dst)
 
 
 @njit(cache=True, nogil=True)
-def _prods_serial(x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, G, M, N, K, lim, lim_on, out, og, ostride):
+def _prods_serial(xv, wv, dims, cut, dst):
+    G, M = dims[0], dims[1]
     for b in range(G * ((M + _NTN - 1) // _NTN)):
-        _prods_block(b, x, xr0, xrg, xo0, xog, w, wr0, wrg, wo0, wog, M, N, K, lim, lim_on, out, og, ostride)
+        _prods_block(b, xv, wv, dims, cut, dst)
 
 
 def _rows2(t: torch.Tensor, bf16: bool = False) -> np.ndarray:
@@ -290,8 +318,9 @@ def dots(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x_
     out, a, b = _out(G, M, N, out_at, np.zeros)
     if G and M and N:
         xn, wn = _rows2(x), _rows2(w, bf16=True)
-        _run(_dots, _dots_serial, G * M * N * max(K, 1), xn, *x_at, wn, *w_at, G, M, N, K,
-             0 if causal is None else causal, causal is not None, out, a, b, _threads()[0]())
+        # (Operand, Operand, Dims, Limit, Target) as plain tuples
+        _run(_dots, _dots_serial, G * M * N * max(K, 1), (xn, *x_at), (wn, *w_at), (G, M, N, K),
+             (0 if causal is None else causal, causal is not None), (out, a, b), _threads()[0]())
     return torch.from_numpy(out)
 
 
@@ -309,8 +338,9 @@ def prods(x: torch.Tensor, w: torch.Tensor, G: int, M: int, N: int, K: int, *, x
     that starts at +0), so a row gives the same bits whatever follows its keys."""
     out, a, b = _out(G, M, N, out_at, np.empty)
     if G and M and N:
-        _run(_prods, _prods_serial, G * M * N * max(K, 1), _rows2(x), *x_at, _rows2(w, bf16=True), *w_at, G, M, N, K,
-             -1 if causal is None else causal, causal is not None, out, a, b)
+        # (Operand, Operand, Dims, Limit, Target) as plain tuples
+        _run(_prods, _prods_serial, G * M * N * max(K, 1), (_rows2(x), *x_at), (_rows2(w, bf16=True), *w_at),
+             (G, M, N, K), (-1 if causal is None else causal, causal is not None), (out, a, b))
     return torch.from_numpy(out)
 
 

@@ -5,7 +5,6 @@ in one compiled call where a check against torch gives the same bits.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit

@@ -50,7 +50,6 @@ exactly one thread.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numpy as np
 import torch
 import numba

@@ -5,7 +5,6 @@ rows per block, prefetch choices). None of them changes a result, only speed.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numba
 
 
@@ -89,9 +88,9 @@ PAIR_SPLIT = pair_split(_V)
 #: next: the next rows' same columns, the block's next K-chunk, the next block. A fixed
 #: distance in the same row left the start of every row's chunk (4 KiB, in a page of its
 #: own: Intel's hardware streamer stops at each page) unfetched, and the next K-chunk
-#: (AVX2's distance) the first chunk: docs/PERFORMANCE.md. Elsewhere the fixed
-#: distances: on AVX-512 (Zen 4) a short one in the same row beat the next K-chunk by
-#: 4-16 % at T = 4; AVX2 the chunk.
+#: (AVX2's distance) the first chunk. Elsewhere the fixed distances: on AVX-512 (Zen 4) a
+#: short one in the same row beat the next K-chunk; AVX2 the chunk (docs/PERFORMANCE.md,
+#: "Kernels").
 _TILE_NEXT = cpu_vendor() == "intel"
 _TILE_PF = {"avx512": 256}.get(_ISA, _KC)
 #: the next rows are read after the tile's whole chunk: into L2 (the chunk of x stays in L1)
@@ -106,27 +105,23 @@ NEXT_ROWS = -1
 #: flight keep the memory busier, and each activation load serves more rows), on AVX-512
 #: and AVX2 alike; never on the generic path. Short rows go one at a time: on AVX2 one
 #: row's 64 lanes already take 8 of its 16 registers and four rows spill accumulators
-#: every step (on Zen 3 one row at a time was faster for K <= 2304, four for K >= 4096);
-#: on AVX-512 (Zen 4) four short rows (four streams of 1.5 KB each, too short for the
-#: hardware prefetcher) streamed cold [N, 768] at 14-17 GB/s, one at a time at 26-29.
+#: every step; on AVX-512 short rows are streams too short for the hardware prefetcher.
 #: AVX-512 takes eight rows (32 accumulators: a few spill to L1, which costs less than
-#: the activation lines each step re-reads from L2 for every four rows); AVX2 four.
-#: Measured in docs/PERFORMANCE.md.
+#: the activation lines each step re-reads from L2 for every four rows); AVX2 four
+#: (docs/PERFORMANCE.md, "Kernels").
 _T1_NR = {"avx512": 8, "avx2": 4}.get(_ISA, 4)
 #: On Intel's AVX-512 cores the eight rows start at K = 1024 and prefetch: there the
 #: hardware streamer, which stops at every 4 KiB page, leaves unprefetched streams short,
-#: one row's stream most of all; on Zen 4 a prefetch in the four-row dot was slower
-#: (docs/PERFORMANCE.md, thirteenth and fourteenth sessions). They prefetch the next
-#: eight rows' same columns (NEXT_ROWS: one sequential stream ahead of the eight they
-#: read), which streamed [*, 2304] matrices from memory 8-12 % faster than 512
-#: elements ahead in each row, and [2304, 1024] 10 % faster than one row at a time; at
-#: K = 768 a small model's decode (its weights partly in the L3) kept one row at a time
-#: faster (eighteenth session).
+#: one row's stream most of all; on Zen 4 a prefetch in the four-row dot was slower.
+#: They prefetch the next eight rows' same columns (NEXT_ROWS: one sequential stream
+#: ahead of the eight they read), which beat a distance ahead in each row and one row
+#: at a time from K = 1024; below it, with the weights partly in the L3, one row at a
+#: time stayed faster (docs/PERFORMANCE.md, "Kernels").
 _T1_INTEL = _ISA == "avx512" and cpu_vendor() == "intel"
 _T1_PF = NEXT_ROWS if _T1_INTEL else 0
 #: ... and the one-row dot (short rows, which stream one after another: one stream per
 #: thread) prefetches 1024 elements (2 KiB) ahead on Intel, into the next rows: with the
-#: weights partly in the shared L3, as in a small model's decode, +26-33 % on [*, 768]
-#: calls; from memory about even (docs/PERFORMANCE.md, fifteenth session)
+#: weights partly in the shared L3, as in a small model's decode, faster; from memory
+#: about even (docs/PERFORMANCE.md, "Kernels")
 _T1_PF1 = 1024 if _T1_INTEL else 0
 _T1_MANY_K = 1024 if _T1_INTEL else {"avx512": 4096, "avx2": 4096}.get(_ISA, 1 << 62)

@@ -6,7 +6,8 @@ and ``kda_decode`` (all of them after the projections, in one call).
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -21,7 +22,7 @@ _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.fol
 
 #: what one element of a KDA recurrent state weighs against that limit: each step reads
 #: and writes the whole state (two passes, from beyond L2), so even a small model's state
-#: goes faster split over both cores' caches (docs/PERFORMANCE.md, fourteenth session)
+#: goes faster split over both cores' caches (docs/PERFORMANCE.md, "Per-token overhead")
 _STATE_COST = 8
 
 
@@ -129,10 +130,27 @@ def _conv_stream(x, wt, state, acc, neg, new_state, off):
             new_state[i, c] = state[p, c] if p < H else x[p - H, c]
 
 
-# One entry per stream count with the arrays as plain arguments: numba types a tuple
-# argument in Python on every call (~30 us), an array in its C dispatcher.
+#: KDA's three short convs (``_conv_args``): inputs, taps [K, C], states, the output
+#: [T, sum C] with the streams side by side and its SiLU's scratch, the new states
+Convs = namedtuple("Convs", "x0 x1 x2 w0 w1 w2 s0 s1 s2 acc neg n0 n1 n2")
+#: KDA's inputs step after them: the L2 norms' eps, q's gain (its scale), q, k, v, b and beta
+KdaIn = namedtuple("KdaIn", "l2eps qgain q k v b beta")
+#: the decay step (``_decay_args``, then exp(g)'s buffer)
+Decay = namedtuple("Decay", "u dtb A H lb lb_mode buf x v lv g eg")
+#: the recurrence: the state it starts from (never written), the new one, the output
+Recurrence = namedtuple("Recurrence", "S0 S o")
+#: the gated output norm: its gain and eps, the gate z, the norm's output, the gated output
+GateNorm = namedtuple("GateNorm", "w eps z y out")
+#: a KDA layer's constants (Python side): heads, the L2 norms' eps, q's scale, the decay's
+#: lower bound (K3; None: Kimi-Linear's softplus form), the output norm's eps
+KdaConsts = namedtuple("KdaConsts", "n_heads l2_eps q_scale lower_bound eps")
+#: its small weights (Python side): conv taps [C, 1, K] of q, k, v, A_log, dt_bias, the output norm's gain
+KdaWeights = namedtuple("KdaWeights", "conv_ws a_log dt_bias o_norm_w")
+
+
 @njit(cache=True, nogil=True)
-def _short_convs3(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2):
+def _short_convs3(cv):
+    x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2 = cv
     _conv_stream(x0, w0, s0, acc, neg, n0, 0)
     _conv_stream(x1, w1, s1, acc, neg, n1, x0.shape[1])
     _conv_stream(x2, w2, s2, acc, neg, n2, x0.shape[1] + x1.shape[1])
@@ -151,9 +169,9 @@ def _conv_silu(acc, neg):
 
 
 @njit(cache=True, nogil=True)
-def _short_convs3_silu(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2):
-    _short_convs3(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2)
-    _conv_silu(acc, neg)
+def _short_convs3_silu(cv):
+    _short_convs3(cv)
+    _conv_silu(cv.acc, cv.neg)
 
 
 @njit(cache=True, nogil=True)
@@ -192,12 +210,12 @@ def short_convs_silu(xs, ws, states):
         raise ValueError(f"short_convs_silu: {len(xs)} streams (KDA has 3; 1 for a single conv)")
     if vml.AVAILABLE:
         if len(xs) == 3:
-            _short_convs3_silu(*xn, *wn, *sn, acc, e, *news)
+            _short_convs3_silu(Convs(*xn, *wn, *sn, acc, e, *news))
         else:
             _short_convs1_silu(xn[0], wn[0], sn[0], acc, e, news[0])
     else:
         if len(xs) == 3:
-            _short_convs3(*xn, *wn, *sn, acc, e, *news)
+            _short_convs3(Convs(*xn, *wn, *sn, acc, e, *news))
         else:
             _short_convs1(xn[0], wn[0], sn[0], acc, e, news[0])
         torch.from_numpy(e).exp_()
@@ -211,8 +229,10 @@ def short_convs_silu(xs, ws, states):
 
 
 @njit(cache=True, nogil=True)
-def _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, eps, qgain, q, k, v, b, beta):
-    _short_convs3_silu(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2)
+def _kda_inputs1(cv, inp):
+    eps, qgain, q, k, v, b, beta = inp
+    acc, x0, x1 = cv.acc, cv.x0, cv.x1
+    _short_convs3_silu(cv)
     T = acc.shape[0]
     c0, c1 = x0.shape[1], x1.shape[1]
     qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
@@ -261,8 +281,8 @@ def kda_inputs(xs, ws, states, b: torch.Tensor, n_heads: int, eps: float, q_scal
     v = np.empty((T, cs[2]), np.float32)
     bn = _array(b)
     beta = np.empty(bn.shape, np.float32)
-    _kda_inputs1(*xn, *wn, *sn, acc, np.empty_like(acc), *news, float(eps),
-                 described(scale_gain(D, q_scale), _gain_array), q, k, v, bn, beta)
+    _kda_inputs1(Convs(*xn, *wn, *sn, acc, np.empty_like(acc), *news),
+                 KdaIn(float(eps), described(scale_gain(D, q_scale), _gain_array), q, k, v, bn, beta))
     return (torch.from_numpy(q.reshape(T, n_heads, D)), torch.from_numpy(k.reshape(T, n_heads, D)),
             torch.from_numpy(v.reshape(T, n_heads, -1)), [torch.from_numpy(n) for n in news],
             torch.from_numpy(beta))
@@ -382,50 +402,47 @@ def _decay_args(u, a_log, dt_bias, n_heads: int, lower_bound: float | None) -> t
 
 
 @njit(cache=True, nogil=True)
-def _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
-                   un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg):
+def _kda_decode_in(cv, inp, dec):
     """kda_decode's steps before the recurrence (the inputs, the decay and its exp);
     returns q, k, v and exp(g) as [T, H, d]."""
-    _kda_inputs1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta)
-    _decay1(un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
+    _kda_inputs1(cv, inp)
+    _decay1(dec.u, dec.dtb, dec.A, dec.H, dec.lb, dec.lb_mode, dec.buf, dec.x, dec.v, dec.lv, dec.g, dec.eg)
+    q, k, v, beta, eg = inp.q, inp.k, inp.v, inp.beta, dec.eg
     T, Hk = beta.shape
     return q.reshape(T, Hk, -1), k.reshape(T, Hk, -1), v.reshape(T, Hk, -1), eg.reshape(T, Hk, -1)
 
 
 @njit(cache=True, nogil=True)
-def _kda_decode1(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
-                 un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
-    q3, k3, v3, e3 = _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v,
-                                    b, beta, un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
-    _kda_recurrent(S0, e3, k3, beta, v3, q3, S, o)
-    _norm_gate1(o.reshape(-1, o.shape[2]), eps, ow, z, y, out)
+def _kda_decode1(cv, inp, dec, rec, gn):
+    q3, k3, v3, e3 = _kda_decode_in(cv, inp, dec)
+    S0, S, o = rec
+    _kda_recurrent(S0, e3, k3, inp.beta, v3, q3, S, o)
+    _norm_gate1(o.reshape(-1, o.shape[2]), gn.eps, gn.w, gn.z, gn.y, gn.out)
 
 
 @njit(cache=True, nogil=True)
-def _kda_decode1_serial(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
-                        un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg, S0, S, o, ow, eps, z, y, out):
-    q3, k3, v3, e3 = _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v,
-                                    b, beta, un, dtb, A, H, lb, lb_mode, buf, x, v1, lv, g, eg)
-    _kda_recurrent_serial(S0, e3, k3, beta, v3, q3, S, o)
-    _norm_gate1(o.reshape(-1, o.shape[2]), eps, ow, z, y, out)
+def _kda_decode1_serial(cv, inp, dec, rec, gn):
+    q3, k3, v3, e3 = _kda_decode_in(cv, inp, dec)
+    S0, S, o = rec
+    _kda_recurrent_serial(S0, e3, k3, inp.beta, v3, q3, S, o)
+    _norm_gate1(o.reshape(-1, o.shape[2]), gn.eps, gn.w, gn.z, gn.y, gn.out)
 
 
-def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_log, dt_bias, n_heads: int,
-               lower_bound: float | None, S0, into, o_norm_w, eps: float, z):
-    """KDA after its projections, for a pass that is not chunked (decode), in ONE compiled
-    call: ``kda_inputs`` (the convs + SiLU of q, k, v from xs with their states, q and k
-    L2-normed per head with q's scale, beta = sigmoid(b)), then the decay and its exp
-    (kda_decay with_exp, from the gate u), the recurrence (kda_recurrent_steps: S0
-    [H, dk, dv] is never written) and the per-head RMS norm and output gate
-    (norm_gate), each the same compiled code in the same order; q, k, v and beta never
-    leave the call. Returns (the gated output [T, H * dv], the new state: ``into`` when
-    that is a contiguous fp32 buffer of its shape other than S0, [the new conv states]),
-    or None where that call is not the path (no fused math, no tokens, a head split
-    that does not divide): the caller then runs those steps one by one. Small passes
-    run serially (``_run``)."""
+def kda_decode(xs, b, u, z, conv_states, S0, into, wts: KdaWeights, k: KdaConsts):
+    """KDA after its projections (xs = [q_in, k_in, v_in], b, the decay's gate u, the
+    output gate z), for a pass that is not chunked (decode), in ONE compiled call:
+    ``kda_inputs`` (the convs + SiLU of q, k, v with their states, q and k L2-normed per
+    head with q's scale, beta = sigmoid(b)), then the decay and its exp (kda_decay
+    with_exp), the recurrence (kda_recurrent_steps: S0 [H, dk, dv] is never written)
+    and the per-head RMS norm and output gate (norm_gate), each the same compiled code
+    in the same order; q, k, v and beta never leave the call. Returns (the gated output
+    [T, H * dv], the new state: ``into`` when that is a contiguous fp32 buffer of its
+    shape other than S0, [the new conv states]), or None where that call is not the path
+    (no fused math, no tokens, a head split that does not divide): the caller then runs
+    those steps one by one. Small passes run serially (``_run``)."""
     T = xs[0].shape[0]
     cs = [x.shape[1] for x in xs]
-    H = n_heads
+    H = k.n_heads
     if (not vml.AVAILABLE or T == 0 or len(xs) != 3 or cs[0] % H or cs[1] != cs[0] or cs[2] % H
             or u.shape[1] != cs[0] or b.shape[-1] != H):
         return None
@@ -433,19 +450,18 @@ def kda_decode(xs, conv_ws, conv_states, b, l2_eps: float, q_scale: float, u, a_
     zn = _flat(z)
     if zn.size != T * H * dv:
         raise ValueError(f"kda_decode: gate {tuple(z.shape)} for an output of {T} x {H} x {dv}")
-    xn, wn, sn, news, acc = _conv_args(xs, conv_ws, conv_states)
-    q = np.empty((T * H, dk), np.float32)
-    k = np.empty((T * H, dk), np.float32)
-    v = np.empty((T, cs[2]), np.float32)
-    beta = np.empty((T, H), np.float32)
-    args = _decay_args(u, a_log, dt_bias, H, lower_bound)
+    xn, wn, sn, news, acc = _conv_args(xs, wts.conv_ws, conv_states)
+    cv = Convs(*xn, *wn, *sn, acc, np.empty_like(acc), *news)
+    inp = KdaIn(float(k.l2_eps), described(scale_gain(dk, k.q_scale), _gain_array), np.empty((T * H, dk), np.float32),
+                np.empty((T * H, dk), np.float32), np.empty((T, cs[2]), np.float32), _array(b).reshape(T, H),
+                np.empty((T, H), np.float32))
+    dec = Decay(*_decay_args(u, wts.a_log, wts.dt_bias, H, k.lower_bound), np.empty(T * H * dk, np.float32))
     S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
     into = _state_into(into, S0, (H, dk, dv))
     out = np.empty(zn.size, np.float32)
-    _run(_kda_decode1, _kda_decode1_serial, _STATE_COST * T * H * dk * dv, *xn, *wn, *sn, acc, np.empty_like(acc),
-         *news, float(l2_eps), described(scale_gain(dk, q_scale), _gain_array), q, k, v, _array(b).reshape(T, H), beta,
-         *args, np.empty(T * H * dk, np.float32), S0n, into.numpy(), np.empty((T, H, dv), np.float32),
-         described(o_norm_w, _gain_array), float(eps), zn, np.empty((T * H, dv), np.float32), out)
+    gn = GateNorm(described(wts.o_norm_w, _gain_array), float(k.eps), zn, np.empty((T * H, dv), np.float32), out)
+    _run(_kda_decode1, _kda_decode1_serial, _STATE_COST * T * H * dk * dv, cv, inp, dec,
+         Recurrence(S0n, into.numpy(), np.empty((T, H, dv), np.float32)), gn)
     return torch.from_numpy(out.reshape(z.shape)), into, [torch.from_numpy(n) for n in news]
 
 

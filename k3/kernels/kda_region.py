@@ -5,7 +5,8 @@ then what its ``LayerEnd`` asks for.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numba
 import numpy as np
 import torch
@@ -13,28 +14,36 @@ from numba import njit, prange
 
 from . import vml
 from . import region
-from .kda import _conv_taps, _exp_vector, _kda_decode_in, _kda_head, _norm_gate1, _state_into, scale_gain
+from .kda import (Convs, Decay, GateNorm, KdaConsts, KdaIn, KdaWeights, Recurrence, _conv_taps, _exp_vector,
+                  _kda_decode_in, _kda_head, _norm_gate1, _state_into, scale_gain)
 from .launch import described
-from .layer_end import LayerEnd, _END_NONE_ARGS, _end_part, _end_setup
+from .layer_end import END_NONE_ARGS, LayerEnd, _end_part, _end_setup
 from .norms import _array, _f32_gain, _f32_vector, _flat, _gain_array
-from .plans import _Plan, _bf16_2d, _f32p, _layer_plan
+from .plans import RegionSteps, _Plan, _bf16_2d, _f32p, _layer_plan
 from .kcache import enter as _cache_enter, leave as _cache_leave
 
 _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.folder(), until the end
 
+#: the region's per-layer constants: the L2 norms' eps, q's gain, dt_bias and A (fp32), the
+#: decay's lower bound and whether there is one, the output norm's gain and eps
+KdaLayerConsts = namedtuple("KdaLayerConsts", "l2eps qgain dtb A lb lb_mode ow eps")
+#: the weights the region reads (Python side): the six projections of x, the decay's and the
+#: low-rank gate's second projections (g_b None for a full-rank gate), the output projection
+KdaProj = namedtuple("KdaProj", "ws f_b g_b o_w")
+
+
 @njit(cache=True, nogil=True)
-def _kda_layer1_part(c, x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps,
-                     qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0, S, o, ow, eps,
-                     z, yn, out, q3, k3, v3, e3, fl, emode, has_p, V, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk,
-                     rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout, dsh, sc,
-                     mfl):
+def _kda_layer1_part(c, st, cv, inp, dec, rec, gn, views, res, rt, moe, ew):
     """Thread c's part of ``_kda_layer1`` (a plain function: the region's loop body,
     compiled once, not into the parallel loop's lowering)."""
+    x, y, tab, p0, p1, work, fl = st
+    H, beta = dec.H, inp.beta
+    S0, S, o = rec
+    q3, k3, v3, e3 = views
     region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)
     region.bf16_step(tab, p0, p1, x, work, y, fl, 2, c)
     if region.claim(fl, 4):
-        _kda_decode_in(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2, l2eps, qgain, q, k, v, b, beta,
-                       un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg)
+        _kda_decode_in(cv, inp, dec)
         region.finish(fl, 4)
     region.wait(fl, 4)
     hm = H // 2
@@ -47,24 +56,25 @@ def _kda_layer1_part(c, x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1,
     region.wait(fl, 5)
     region.wait(fl, 6)
     if region.claim(fl, 7):
-        _norm_gate1(o.reshape(H, o.shape[2]), eps, ow, z, yn, out)
+        _norm_gate1(o.reshape(H, o.shape[2]), gn.eps, gn.w, gn.z, gn.y, gn.out)
         region.finish(fl, 7)
     region.wait(fl, 7)
     region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 8, c)
-    _end_part(c, fl, np.int64(10), emode, has_p, V, y, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk, rbias, rscale,
-              ids, wts, e, dall, mi, mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout, dsh, sc, mfl)
+    _end_part(c, fl, np.int64(10), y, res, rt, moe, ew)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, lb, lb_mode, S0, S, ow, eps,
-               emode, has_p, V, mw, meps, vl, nw, neps, hs, yn2, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi,
-               mnw, meps2, situ, beta2, lb2, has_lb, mtab, mout):
+def _kda_layer1(x, y, tab, ints, taps, states, kc, S0, S, res, rt, moe):
     """kda_decode_layer's region (its ``_Plan`` has the table and the workspace layout):
     table rows 0 .. p0-1 (the projections of x), p0 .. p1-1 (the gate's second
     projections), then the steps of ``_kda_decode1`` (inputs and decay on one thread,
     the recurrence's heads in two halves, the gated norm on one thread), then the rows
     from p1 (the output projection, into y); pieces of k3.kernels.region, claimed by
-    whichever thread comes first. Returns the new conv states."""
+    whichever thread comes first. ``taps`` and ``states``: the q, k, v convs'; ``kc``: a
+    KdaLayerConsts; ``res``, ``rt``, ``moe``: the LayerEnd's. Returns the new conv states."""
+    w0, w1, w2 = taps
+    s0, s1, s2 = states
+    l2eps, qgain, dtb, A, lb, lb_mode, ow, eps = kc
     p0, p1, H, dk, dv, nwork = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
     cq, cv = H * dk, H * dv
     work = np.empty(nwork, np.float32)
@@ -93,15 +103,17 @@ def _kda_layer1(x, y, tab, ints, w0, w1, w2, s0, s1, s2, l2eps, qgain, dtb, A, l
     eg = np.empty(cq, np.float32)
     o = np.empty((1, H, dv), np.float32)
     yn = np.empty((H, dv), np.float32)
-    q3, k3, v3, e3 = q.reshape(1, H, dk), k.reshape(1, H, dk), v.reshape(1, H, dv), eg.reshape(1, H, dk)
+    views = (q.reshape(1, H, dk), k.reshape(1, H, dk), v.reshape(1, H, dv), eg.reshape(1, H, dk))
     fl = region.flags(14)
-    dsh, sc, mfl = _end_setup(dall, mi, rk)
+    ew = _end_setup(rt, moe)
+    st = RegionSteps(x, y, tab, p0, p1, work, fl)
+    cvs = Convs(x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1, n2)
+    inp = KdaIn(l2eps, qgain, q, k, v, b, beta)
+    dec = Decay(un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg)
+    rec = Recurrence(S0, S, o)
+    gn = GateNorm(ow, eps, z, yn, out)
     for i in prange(2):
-        _kda_layer1_part(np.int64(i), x, y, tab, p0, p1, work, x0, x1, x2, w0, w1, w2, s0, s1, s2, acc, neg, n0, n1,
-                         n2, l2eps, qgain, q, k, v, b, beta, un, dtb, A, H, lb, lb_mode, buf, xd, v1, lv, g, eg, S0,
-                         S, o, ow, eps, z, yn, out, q3, k3, v3, e3, fl, emode, has_p, V, mw, meps, vl, nw,
-                         neps, hs, yn2, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta2,
-                         lb2, has_lb, mtab, mout, dsh, sc, mfl)
+        _kda_layer1_part(np.int64(i), st, cvs, inp, dec, rec, gn, views, res, rt, moe, ew)
     return n0, n1, n2
 
 
@@ -147,12 +159,11 @@ def _kda_plan_fill(p: _Plan, mats, H: int, q_scale: float, d: int) -> None:
     p.ow = described(o_norm_w, _f32_gain)
 
 
-def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_scale: float, a_log, dt_bias,
-                     n_heads: int, lower_bound: float | None, S0, into, o_norm_w, eps: float, o_w,
+def kda_decode_layer(x, proj: KdaProj, wts: KdaWeights, k: KdaConsts, conv_states, S0, into,
                      end: LayerEnd | None = None):
     """KDA's whole one-token step after its input norm, in ONE parallel region (see
-    k3.kernels.region): the projections of x [1, d] by ``ws`` (q, k, v, f_a, b and the
-    gate: g_proj, or g_a_proj when ``g_b`` is its second projection), the decay's
+    k3.kernels.region): the projections of x [1, d] by ``proj.ws`` (q, k, v, f_a, b and
+    the gate: g_proj, or g_a_proj when ``g_b`` is its second projection), the decay's
     second projection ``f_b`` of f_a (and ``g_b`` of the gate's first), then
     ``kda_decode``'s steps (the same compiled code in the same order), then the output
     projection ``o_w``. Every number is the one the separate calls give (each product
@@ -163,25 +174,27 @@ def kda_decode_layer(x, ws, f_b, g_b, conv_ws, conv_states, l2_eps: float, q_sca
     a contiguous bf16 matrix, no fused math, shapes kda_decode does not take): the
     caller then runs the steps as separate calls. ``end``: a LayerEnd the region goes
     on with after y (its results in it, ``done`` set, when it did)."""
+    ws = proj.ws
     if not vml.AVAILABLE or x.dim() != 2 or x.shape[0] != 1 or len(ws) != 6:
         return None
-    H = n_heads
-    p = _layer_plan(_KDA_PLANS, list(ws) + [f_b, g_b] + list(conv_ws) + [a_log, dt_bias, o_norm_w, o_w],
-                    (H, q_scale, x.shape[1]), _kda_plan_fill)
+    H = k.n_heads
+    p = _layer_plan(_KDA_PLANS, list(ws) + [proj.f_b, proj.g_b] + list(wts.conv_ws)
+                    + [wts.a_log, wts.dt_bias, wts.o_norm_w, proj.o_w], (H, k.q_scale, x.shape[1]), _kda_plan_fill)
     if p is None:
         return None
     dk, dv = int(p.ints[3]), int(p.ints[4])
     xn = _flat(x)
-    sn = [np.zeros((t.shape[0] - 1, t.shape[1]), np.float32) if st is None else _array(st)
-          for t, st in zip(p.taps, conv_states)]
+    sn = tuple(np.zeros((t.shape[0] - 1, t.shape[1]), np.float32) if st is None else _array(st)
+               for t, st in zip(p.taps, conv_states))
     S0n = np.zeros((H, dk, dv), np.float32) if S0 is None else _array(S0)
     into = _state_into(into, S0, (H, dk, dv))
     y = np.empty(p.d_out, np.float32)
-    lb_mode = lower_bound is not None
-    ea = _END_NONE_ARGS if end is None else end.region_args(p.d_out)
-    news = _kda_layer1(xn, y, p.tab, p.ints, *p.taps, *sn, float(l2_eps), p.qgain, p.dtb, p.A,
-                       np.float32(lower_bound if lb_mode else 0.0), lb_mode, S0n, into.numpy(), p.ow, float(eps), *ea)
-    if ea is not _END_NONE_ARGS:
+    lb_mode = k.lower_bound is not None
+    kc = KdaLayerConsts(float(k.l2_eps), p.qgain, p.dtb, p.A, np.float32(k.lower_bound if lb_mode else 0.0), lb_mode,
+                        p.ow, float(k.eps))
+    ea = END_NONE_ARGS if end is None else end.region_args(p.d_out)
+    news = _kda_layer1(xn, y, p.tab, p.ints, p.taps, sn, kc, S0n, into.numpy(), *ea)
+    if ea is not END_NONE_ARGS:
         end.done = True
     return torch.from_numpy(y).view(1, -1), into, [torch.from_numpy(n) for n in news]
 

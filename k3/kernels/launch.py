@@ -7,7 +7,6 @@ twin on the calling thread, since waking the pool costs more than a second core 
 
 from __future__ import annotations
 
-from __future__ import annotations
 import threading
 import weakref
 import numpy as np
@@ -30,7 +29,7 @@ def empty64(n):
     """An uninitialised float32 [n] whose data start on a 64-byte boundary (a cache line,
     one 512-bit register). numpy's and numba's allocators give 16 or 32 bytes, and then
     every 64-byte vector load from the array straddles two cache lines, which slowed the
-    T > 1 tiles measurably (docs/PERFORMANCE.md, fourteenth session)."""
+    T > 1 tiles."""
     buf = np.empty(n + 16, np.float32)
     o = (-(buf.ctypes.data >> 2)) & 15
     return buf[o:o + n]
@@ -46,9 +45,8 @@ def scratch_f32(shape: tuple[int, int]) -> np.ndarray:
     """An uninitialised float32 array of ``shape`` on a 64-byte boundary, in transparent
     huge pages where the system gives them (``k3.checkpoint.io.aligned_empty``): the
     copy of x the T > 1 tiles read. Its token rows lie kilobytes apart, each on its
-    own 4 KiB page, and a tile sweep over them missed the TLB often enough to take
-    1.25x the time (docs/PERFORMANCE.md, twenty-first session); in 2 MiB pages they
-    share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
+    own 4 KiB page, and a tile sweep over them misses the TLB on every row; in 2 MiB
+    pages they share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
     thread is kept and reused by the next call, so the caller must be done with the
     array before the same thread asks again (one kernel call at a time per thread)."""
     from ..checkpoint.io import HUGE, aligned_empty
@@ -80,8 +78,9 @@ def job_blocks(jobs, rb1, rb, long_t=0, st=1):
 
 
 # =========================================================================== wrappers
-#: below this many multiply-adds one thread beats waking the pool (~55 us per parallel
-#: region on the 2-vCPU box with OMP_WAIT_POLICY=PASSIVE); results do not depend on it
+#: below this many multiply-adds one thread beats waking the pool (under OpenMP with
+#: OMP_WAIT_POLICY=PASSIVE, whose sleeping workers are slow to wake); results do not
+#: depend on it
 _SERIAL_WORK = 1 << 18
 
 #: (get, set, small calls on one thread) once numba's threading layer is up: see _threads
@@ -90,10 +89,10 @@ _TH: tuple | None = None
 
 def _threads() -> tuple:
     """(get, set, serial_small): numba's C functions for the calling thread's count (the
-    public numba.get_num_threads / set_num_threads add ~1.5 us of Python checks each, and
-    a small call paid three of them), and whether small work is run on one thread: not
-    under the TBB layer, whose idle workers cost a parallel region about a microsecond
-    (OpenMP's passive ones ~55 us, docs/PERFORMANCE.md)."""
+    public numba.get_num_threads / set_num_threads add Python checks to every call), and
+    whether small work is run on one thread: not under the TBB layer, whose idle workers
+    join a parallel region quickly, where OpenMP's passive ones are slow to wake
+    (docs/PERFORMANCE.md, "Per-token overhead")."""
     global _TH
     if _TH is None:
         numba.get_num_threads()  # starts the threading layer

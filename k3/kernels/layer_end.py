@@ -6,7 +6,8 @@ expert of the layer is resident, the whole MoE block with the residual add.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numba
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from . import region
 from .aten import _LANES8, _VL, _rowsum_ok
 from .attn_res import _attn_mix_norm, _mix_ok
 from .launch import described
-from .moe import _chains, _end_moe, _moe_plan_fill, _moe_scratch, _route_topk_sum
+from .moe import MoeMix, MoeOut, _chains, _end_moe, _moe_plan_fill, _moe_scratch, _route_topk_sum
 from .norms import _NO_GAIN, _array, _f32_gain, _f32_vector, _gain_array, _glu_params, _norm_rows
 from .plans import _Plan, _bf16_2d, _f32p, _layer_plan
 from .kcache import enter as _cache_enter, leave as _cache_leave
@@ -36,12 +37,28 @@ _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.fol
 #: residual modes: none, Kimi-Linear's add and norm, K3's partial sum and mix
 END_NONE, END_PLAIN, END_MIX = 0, 1, 2
 
+#: the residual step: its mode, whether P exists, V (Kimi-Linear: h [1, 1, d]; K3: the bank
+#: and P, P' written into its last row), the mix's query and eps, ATen's softmax lanes,
+#: the post-norm's gain and eps, the new h (or the mix's scratch) and yn
+Residual = namedtuple("Residual", "mode has_p V mw meps vl nw neps hs yn")
+#: the router after it: its one-token rows (region.T_* columns), their output, the top-k
+#: (0: not in the region), the score bias and scale, the chosen ids and weights, scratch
+Router = namedtuple("Router", "tab out k bias scale ids wts e")
+#: the MoE block after the router: every routed expert's descriptors, moe_decode's
+#: layout (``mi``), the latent norm's gain and eps, the GLU's parameters, the latent-up and
+#: shared-down rows, the layer's output
+MoeEnd = namedtuple("MoeEnd", "descs mi nw eps situ beta lb has_lb tab out")
+
 
 @njit(cache=True, nogil=True)
-def _end_part(c, fl, s, emode, has_p, V, y, mw, meps, vl, nw, neps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts,
-              e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab, out, dsh, sc, mfl):
+def _end_part(c, fl, s, y, res, rt, moe, ew):
     """The layer's next steps after the region's output y (thread c; pieces s .. s+3 of
-    fl, then the MoE block's own flags mfl); see LayerEnd."""
+    fl, then the MoE block's own flags in ``ew``): ``res`` a Residual, ``rt`` a Router,
+    ``moe`` a MoeEnd, ``ew`` their workspace (``_end_setup``); see LayerEnd."""
+    emode, has_p, V, mw, meps, vl, nw, neps, hs, yn = res
+    rtab, rout, rk, rbias, rscale, ids, wts, e = rt
+    dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab, out = moe
+    dsh, mfl, sc = ew[0], ew[1], ew[2:]
     if emode == END_NONE:
         return
     d = y.size
@@ -70,18 +87,21 @@ def _end_part(c, fl, s, emode, has_p, V, y, mw, meps, vl, nw, neps, hs, yn, rtab
             z = yn.reshape((1, d)) if mi[0] < 0 else numba.carray(_f32p(ro + 4 * mi[0]), (1, mi[5]))
             gu_s = numba.carray(_f32p(ro + 4 * max(mi[1], 0)), (2 * mi[2] if mi[1] >= 0 else 0,))
             base = hs if emode == END_PLAIN else V[V.shape[0] - 1, 0]
-            _end_moe(c, mfl, dall, ids, wts, z, gu_s, mi[4] != 0, meps2, mnw, situ, beta, lb, has_lb, mtab, mi[3],
-                     out, base, dsh, sc)
+            _end_moe(c, mfl, dall, ids, z, MoeMix(wts, mi[4] != 0, meps2, mnw, gu_s, situ, beta, lb, has_lb),
+                     MoeOut(mtab, mi[3], out, base), dsh, sc)
 
 
 @njit(cache=True, nogil=True)
-def _end_setup(dall, mi, k):
-    """_end_part's MoE workspace (empty without ``dall``): the chosen experts'
-    descriptors, ``_moe_scratch``, the MoE steps' flags."""
-    G = k if dall.shape[0] else 0
+def _end_setup(rt, moe):
+    """_end_part's MoE workspace (empty without experts): the chosen experts'
+    descriptors, the MoE steps' flags, then ``_moe_scratch``'s arrays, as one flat plain
+    tuple: numba's parfor lowering rebuilds a namedtuple passed into a prange body only
+    from its class's own call, and a tuple nested in a tuple not at all."""
+    dall, mi = moe.descs, moe.mi
+    G = rt.k if dall.shape[0] else 0
     dsh = np.empty((G, 3, dall.shape[2]), np.int64)
-    sc = _moe_scratch(G, dall[0, 0, 0] if G else 0, mi[5], mi[2], mi[6], dall.shape[2] == 4)
-    return dsh, sc, region.flags(10)
+    return (dsh, region.flags(10)) + _moe_scratch(G, dall[0, 0, 0] if G else 0, mi[5], mi[2], mi[6],
+                                                  dall.shape[2] == 4)
 
 
 _NO_ROWS = np.empty((0, 7), np.int64)
@@ -90,11 +110,11 @@ _NO_IDS = np.empty((1, 0), np.int64)
 _NO_WTS = np.empty((1, 0), np.float32)
 _NO_EXPERTS = np.empty((0, 3, 3), np.int64)
 _NO_MI = np.zeros(8, np.int64)
-#: the arguments of a region that ends with its output: residual step, router, MoE block
-_END_NONE_ARGS = (END_NONE, False, _NO_V, _NO_GAIN, 0.0, _VL, _NO_GAIN, 0.0, _NO_GAIN, _NO_GAIN,
-                  _NO_ROWS, _NO_GAIN, 0, _NO_GAIN, np.float32(0.0), _NO_IDS, _NO_WTS, _NO_GAIN,
-                  _NO_EXPERTS, _NO_MI, _NO_GAIN, 0.0, False, np.float32(1.0), np.float32(1.0), False, _NO_ROWS,
-                  _NO_GAIN)
+_NO_ROUTER = Router(_NO_ROWS, _NO_GAIN, 0, _NO_GAIN, np.float32(0.0), _NO_IDS, _NO_WTS, _NO_GAIN)
+_NO_MOE = MoeEnd(_NO_EXPERTS, _NO_MI, _NO_GAIN, 0.0, False, np.float32(1.0), np.float32(1.0), False, _NO_ROWS, _NO_GAIN)
+#: a region that ends with its output: (Residual, Router, MoeEnd) that do nothing
+END_NONE_ARGS = (Residual(END_NONE, False, _NO_V, _NO_GAIN, 0.0, _VL, _NO_GAIN, 0.0, _NO_GAIN, _NO_GAIN),
+                 _NO_ROUTER, _NO_MOE)
 
 
 class LayerEnd:
@@ -157,8 +177,9 @@ class LayerEnd:
         return self._ids.reshape(-1).tolist()
 
     def region_args(self, d: int) -> tuple:
-        """The region's end arguments for an output of d floats (none where they do not fit)."""
-        return self.args if self.d == d else _END_NONE_ARGS
+        """The region's (Residual, Router, MoeEnd) for an output of d floats (END_NONE_ARGS
+        where they do not fit)."""
+        return self.args if self.d == d else END_NONE_ARGS
 
     def route(self, x_dim: int, ws, bias, k: int, renorm: bool, scale: float) -> None:
         """Also the router's projections of yn by ``ws`` (router gate first, then the
@@ -173,9 +194,8 @@ class LayerEnd:
         rout = np.empty(p.n, np.float32)
         rk = p.rk
         ids, wts = (np.empty((1, k), np.int64), np.empty((1, k), np.float32)) if rk else (_NO_IDS, _NO_WTS)
-        self.args = self.args[:10] + (p.tab, rout, rk, p.bn, p.scale, ids, wts,
-                                      np.empty(p.tab[0, region.T_N], np.float32) if rk else _NO_GAIN) \
-            + _END_NONE_ARGS[18:]
+        self.args = (self.args[0], Router(p.tab, rout, rk, p.bn, p.scale, ids, wts,
+                                          np.empty(p.tab[0, region.T_N], np.float32) if rk else _NO_GAIN), _NO_MOE)
         self.rows, self._rout = p.sizes, rout
         if rk:
             self._ids, self._wts = ids, wts
@@ -203,7 +223,7 @@ class LayerEnd:
                 return
             p.checked = descs
         out = np.empty(self.d, np.float32)
-        self.args = self.args[:18] + (descs,) + p.tail + (out,)
+        self.args = self.args[:2] + (MoeEnd(descs, *p.tail, out),)
         self._out = out
 
 
@@ -260,8 +280,8 @@ def plain_end(h: torch.Tensor, post_w: torch.Tensor, eps: float) -> LayerEnd | N
     d = h.shape[1]
     hs, yn = np.empty(d, np.float32), np.empty(d, np.float32)
     e.d, e._h, e._yn = d, hs, yn
-    e.args = (END_PLAIN, False, _array(h).reshape(1, 1, d), _NO_GAIN, 0.0, _VL, described(post_w, _f32_gain),
-              float(eps), hs, yn) + _END_NONE_ARGS[10:]
+    e.args = (Residual(END_PLAIN, False, _array(h).reshape(1, 1, d), _NO_GAIN, 0.0, _VL, described(post_w, _f32_gain),
+                       float(eps), hs, yn), _NO_ROUTER, _NO_MOE)
     return e
 
 
@@ -279,8 +299,8 @@ def mix_end(bank: list, P: torch.Tensor | None, mix_w: torch.Tensor, eps: float,
     d = V.shape[2]
     yn = np.empty(d, np.float32)
     e.d, e._P, e._yn = d, V, yn
-    e.args = (END_MIX, P is not None, V.numpy(), described(mix_w, _gain_array), float(eps), _VL,
-              described(post_w, _f32_gain), float(post_eps), np.empty(d, np.float32), yn) + _END_NONE_ARGS[10:]
+    e.args = (Residual(END_MIX, P is not None, V.numpy(), described(mix_w, _gain_array), float(eps), _VL,
+                       described(post_w, _f32_gain), float(post_eps), np.empty(d, np.float32), yn), _NO_ROUTER, _NO_MOE)
     return e
 
 

@@ -5,7 +5,8 @@ W_v, gate and output projection, then what its ``LayerEnd`` asks for.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numba
 import numpy as np
 import torch
@@ -14,12 +15,12 @@ from numba import njit, prange
 from . import vml
 from . import region
 from .aten import _LANES8, _rowsum_ok
-from .attention import _NRA, _NTA, _dots_block, _prods_block, _scores_softmax1
+from .attention import _NRA, _NTA, Dims, Limit, Operand, Target, _dots_block, _prods_block, _scores_softmax1
 from .cpu import LANES
 from .launch import described
-from .layer_end import LayerEnd, _END_NONE_ARGS, _end_part, _end_setup
+from .layer_end import END_NONE_ARGS, LayerEnd, _end_part, _end_setup
 from .norms import _NO_GAIN, _f32_gain, _flat, _gate1, _norm_rows
-from .plans import _Plan, _bf16_2d, _f32p, _layer_plan
+from .plans import RegionSteps, _Plan, _bf16_2d, _f32p, _layer_plan
 from .kcache import enter as _cache_enter, leave as _cache_leave
 
 _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.folder(), until the end
@@ -31,12 +32,36 @@ _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.fol
 _M_H, _M_NOPE, _M_ROPE, _M_VD, _M_L, _M_QR, _M_GATED, _M_QA, _M_CKV, _M_G, _M_QN, _M_Q, _M_O, _M_OG, _M_NW = range(15)
 
 
+#: the heads and widths: heads, nope and rope widths of a query head, value width, latent rank
+MlaDims = namedtuple("MlaDims", "H nope rope vd L")
+#: the region's views into its workspace: q_a's output and its norm, kv_a's (latent | rope
+#: key), q, the heads' output, the gate's input and the gated output (empty: no gate)
+MlaBufs = namedtuple("MlaBufs", "qa qn ckv q o gz og")
+#: kv_b_proj as stored (its key and value halves) and the cache: latents kb and rope keys vb,
+#: the new row written at ``past``
+MlaKV = namedtuple("MlaKV", "wkv kb vb past")
+#: q_a's and the latent's norm gains, their eps, the scores' scale
+MlaNorms = namedtuple("MlaNorms", "qgain cgain neps scale")
+#: the attention's scratch: absorbed queries, latent and rope scores, probabilities and
+#: their sums, weighted latents, a thread's dot accumulators, the softmax's lanes
+MlaScratch = namedtuple("MlaScratch", "ql a b p s v acc acc8")
+#: the weights the region reads (Python side): q_a (q_proj without q LoRA), q_a's norm and
+#: q_b (None without), kv_a, the latent's norm, kv_b_proj, the gate's g_proj (None: no
+#: gate), o_proj
+MlaWeights = namedtuple("MlaWeights", "q_a q_norm q_b kv_a kv_norm wkv g_w o_w")
+#: its shape (Python side): heads, nope, rope, value width, the q_a / latent norms' eps, the scale
+MlaShape = namedtuple("MlaShape", "H nope rope vd eps scale")
+
+
 @njit(cache=True, nogil=True)
-def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, ckv, q, o, gz, og, wkv, kb, vb, past,
-                     qgain, cgain, neps, scale, ql, a, b, p, s, v, acc, acc8, fl, emode, has_p, V, mw, meps, vl, nw,
-                     eneps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta,
-                     lb, has_lb, mtab, mout, dsh, sc, mfl):
+def _mla_layer1_part(c, st, dims, bufs, kv, nm, sc, res, rt, moe, ew):
     """Thread c's part of ``_mla_layer1`` (its loop body, compiled once)."""
+    x, y, tab, p0, p1, work, fl = st
+    H, nope, rope, vd, L = dims
+    qa, qn, ckv, q, o, gz, og = bufs
+    wkv, kb, vb, past = kv
+    qgain, cgain, neps, scale = nm
+    ql, a, b, p, s, v, acc, acc8 = sc
     n = past + 1
     dq = nope + rope
     region.bf16_step(tab, 0, p0, x, work, y, fl, 0, c)       # q_a (or q), kv_a, the gate's input
@@ -54,9 +79,12 @@ def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, c
         h = c if j == 0 else 1 - c
         if region.claim(fl, 5 + h):
             for g in range(0 if h == 0 else hm, hm if h == 0 else H):
-                _prods_block(g, q, 0, 0, 0, dq, wkv, 0, nope + vd, 0, 0, 1, L, nope, -1, False, ql, L, H * L)
-                _dots_block(g, ql.reshape((1, H * L)), 0, 0, 0, L, kb, 0, 0, 0, 0, 1, n, L, past, True, a, n, n, acc)
-                _dots_block(g, q, 0, 0, nope, dq, vb, 0, 0, 0, 0, 1, n, rope, past, True, b, n, n, acc)
+                _prods_block(g, Operand(q, 0, 0, 0, dq), Operand(wkv, 0, nope + vd, 0, 0), Dims(H, 1, L, nope),
+                             Limit(-1, False), Target(ql, L, H * L))
+                _dots_block(g, Operand(ql.reshape((1, H * L)), 0, 0, 0, L), Operand(kb, 0, 0, 0, 0), Dims(H, 1, n, L),
+                            Limit(past, True), Target(a, n, n), acc)
+                _dots_block(g, Operand(q, 0, 0, nope, dq), Operand(vb, 0, 0, 0, 0), Dims(H, 1, n, rope), Limit(past, True),
+                            Target(b, n, n), acc)
             region.finish(fl, 5 + h)
     region.wait(fl, 5)
     region.wait(fl, 6)
@@ -69,11 +97,12 @@ def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, c
         h = c if j == 0 else 1 - c
         if region.claim(fl, 8 + h):
             for g in range(0 if h == 0 else hm, hm if h == 0 else H):
-                _prods_block(g, p, 0, 1, 0, 0, kb, 0, 0, 0, 0, 1, L, n, past, True, vf, L, L)
+                _prods_block(g, Operand(p, 0, 1, 0, 0), Operand(kb, 0, 0, 0, 0), Dims(H, 1, L, n), Limit(past, True),
+                             Target(vf, L, L))
                 for i in range(g * L, g * L + L):
                     vf[i] = vf[i] / s[g]
-                _dots_block(g, v.reshape((1, H * L)), 0, 0, 0, L, wkv, nope, nope + vd, 0, 0, 1, vd, L, 0, False,
-                            o, vd, H * vd, acc)
+                _dots_block(g, Operand(v.reshape((1, H * L)), 0, 0, 0, L), Operand(wkv, nope, nope + vd, 0, 0),
+                            Dims(H, 1, vd, L), Limit(0, False), Target(o, vd, H * vd), acc)
             region.finish(fl, 8 + h)
     region.wait(fl, 8)
     region.wait(fl, 9)
@@ -82,20 +111,19 @@ def _mla_layer1_part(c, x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, c
         region.finish(fl, 10)
     region.wait(fl, 10)
     region.bf16_step(tab, p1, tab.shape[0], x, work, y, fl, 11, c)   # o_proj
-    _end_part(c, fl, np.int64(13), emode, has_p, V, y, mw, meps, vl, nw, eneps, hs, yn, rtab, rout, rk, rbias, rscale,
-              ids, wts, e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab, mout, dsh, sc, mfl)
+    _end_part(c, fl, np.int64(13), y, res, rt, moe, ew)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _mla_layer1(x, y, tab, ints, wkv, kb, vb, past, qgain, cgain, neps, scale, emode, has_p, V, mw, meps, vl, nw, eneps,
-               hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw, meps2, situ, beta, lb, has_lb, mtab,
-               mout):
+def _mla_layer1(x, y, tab, ints, kv, nm, res, rt, moe):
     """mla_decode_layer's region (its ``_Plan``, from ``_mla_plan_fill``, has the table and
     the workspace layout, ``ints``: the _M_* slots): table rows 0 .. p0-1 (the projections of x), the norms
     and the cache's new row (one thread), rows p0 .. p1-1 (q_b), the heads' absorbed
     queries and scores in two halves, the softmax (one thread), the heads' weighted
     latents and values in two halves, the output gate (one thread), then the rows from
-    p1 (o_proj, into y)."""
+    p1 (o_proj, into y). ``kv``: an MlaKV, ``nm``: MlaNorms; ``res``, ``rt``, ``moe``: the
+    LayerEnd's."""
+    past = kv.past
     H, nope, rope, vd, L, qr, gated = (ints[_M_H], ints[_M_NOPE], ints[_M_ROPE], ints[_M_VD], ints[_M_L],
                                        ints[_M_QR], ints[_M_GATED])
     n = past + 1
@@ -119,12 +147,13 @@ def _mla_layer1(x, y, tab, ints, wkv, kb, vb, past, qgain, cgain, neps, scale, e
     acc = np.empty((2, _NTA * _NRA, LANES), np.float32)
     acc8 = np.empty((4, 4, _LANES8), np.float32)
     fl = region.flags(17)
-    dsh, sc, mfl = _end_setup(dall, mi, rk)
+    ew = _end_setup(rt, moe)
+    st = RegionSteps(x, y, tab, p0, p1, work, fl)
+    dims = MlaDims(H, nope, rope, vd, L)
+    bufs = MlaBufs(qa, qn, ckv, q, o, gz, og)
     for i in prange(2):
-        _mla_layer1_part(np.int64(i), x, y, tab, p0, p1, work, H, nope, rope, vd, L, qa, qn, ckv, q, o, gz, og, wkv,
-                         kb, vb, past, qgain, cgain, neps, scale, ql, a, b, p, s, v, acc[i], acc8, fl, emode, has_p, V,
-                         mw, meps, vl, nw, eneps, hs, yn, rtab, rout, rk, rbias, rscale, ids, wts, e, dall, mi, mnw,
-                         meps2, situ, beta, lb, has_lb, mtab, mout, dsh, sc, mfl)
+        _mla_layer1_part(np.int64(i), st, dims, bufs, kv, nm, MlaScratch(ql, a, b, p, s, v, acc[i], acc8), res, rt,
+                         moe, ew)
 
 
 #: id(o_proj weight) -> its layer's MLA plan; the entry goes with that weight object
@@ -166,8 +195,7 @@ def _mla_plan_fill(p: _Plan, mats, H: int, nope: int, rope: int, vd: int, L: int
     p.d_out = o_w.shape[0]
 
 
-def mla_decode_layer(x, q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w, kb, vb, past: int, H: int, nope: int,
-                     rope: int, vd: int, eps: float, scale: float, end: LayerEnd | None = None):
+def mla_decode_layer(x, w: MlaWeights, shape: MlaShape, kb, vb, past: int, end: LayerEnd | None = None):
     """Latent MLA's whole one-token step after its input norm, in ONE parallel region
     (k3.kernels.region), for a query at position ``past`` whose keys all lie in one
     softmax tile: the projections of x [1, d] by q_a (q_proj when ``q_b`` is None: no q
@@ -184,15 +212,16 @@ def mla_decode_layer(x, q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w, kb, vb, 
     it, ``done`` set, when it did)."""
     if not (vml.AVAILABLE and x.dim() == 2 and x.shape[0] == 1 and _rowsum_ok()):
         return None
-    L = kv_norm.numel()
-    p = _layer_plan(_MLA_PLANS, [q_a, q_norm, q_b, kv_a, kv_norm, wkv, g_w, o_w], (H, nope, rope, vd, L, x.shape[1]),
-                    _mla_plan_fill)
+    H, nope, rope, vd, eps, scale = shape
+    L = w.kv_norm.numel()
+    p = _layer_plan(_MLA_PLANS, list(w), (H, nope, rope, vd, L, x.shape[1]), _mla_plan_fill)
     if p is None or kb.shape[1] != L or vb.shape[1] != rope or min(kb.shape[0], vb.shape[0]) <= past:
         return None
     y = np.empty(p.d_out, np.float32)
-    ea = _END_NONE_ARGS if end is None else end.region_args(p.d_out)
-    _mla_layer1(_flat(x), y, p.tab, p.ints, p.wkv, kb, vb, past, p.qgain, p.cgain, float(eps), np.float32(scale), *ea)
-    if ea is not _END_NONE_ARGS:
+    ea = END_NONE_ARGS if end is None else end.region_args(p.d_out)
+    _mla_layer1(_flat(x), y, p.tab, p.ints, MlaKV(p.wkv, kb, vb, past),
+                MlaNorms(p.qgain, p.cgain, float(eps), np.float32(scale)), *ea)
+    if ea is not END_NONE_ARGS:
         end.done = True
     return torch.from_numpy(y).view(1, -1)
 

@@ -7,7 +7,8 @@ experts' FFN over a group in two grouped kernel calls with the GLU between
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numba
 import numpy as np
 import torch
@@ -169,11 +170,21 @@ def _expert_matrix(dd, x2, xe, xo, xep, xop, row, out, off):
                     numba.carray(_u8_ptr(dd[2]), (N, P // 16)), out, off, 0, N)
 
 
+#: the one-token MoE block's mix step (``_moe_mix1``): the routing weights, whether there is
+#: a latent norm, its eps and gain, the shared expert's gate | up, the GLU's parameters
+MoeMix = namedtuple("MoeMix", "wts norm eps nw gu_s situ beta lb has_lb")
+#: its output: the BF16 rows after the mix (latent up, shared down), how they sum
+#: (``moe_decode``'s modes), the output y and the residual base (empty: none)
+MoeOut = namedtuple("MoeOut", "tab mode y base")
+
+
 @njit(cache=True, nogil=True)
-def _moe_decode1_part(c, z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx, gu, hx,
-                      contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl):
+def _moe_decode1_part(c, z, d, mix, out, mx, sc, fl):
     """Thread c's part of ``_moe_decode1`` (a plain function: the region's loop body,
     compiled once, not into the parallel loop's lowering)."""
+    wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb = mix
+    tab, mode, y, base = out
+    gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop = sc
     G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
     for j in range(2):
         h = c if j == 0 else 1 - c
@@ -239,29 +250,29 @@ def _moe_scratch(G, inter, dz, inter_s, n_out, mx):
     zep, zop = (empty64(P1).reshape((1, P1)), empty64(P1).reshape((1, P1))) if mx and t1_perm(P1) else (ze, zo)
     hep, hop = (empty64(G * P3).reshape((G, P3)), empty64(G * P3).reshape((G, P3))) if mx and t1_perm(P3) \
         else (he, ho)
+    # a plain tuple: numba's parfor lowering rebuilds a namedtuple only from its class's own call
     return gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop
 
 
 @njit(cache=True, nogil=True)
-def _end_moe(c, fl, dall, ids, wts, z, gu_s, norm, eps, nw, situ, beta, lb, has_lb, tab, mode, y, base, dsh, sc):
+def _end_moe(c, fl, dall, ids, z, mix, out, dsh, sc):
     """Thread c's part of an MoE block run at the end of a mixer's region (``_end_part``),
     every routed expert of the layer at hand (descriptors dall [E, 3, ...]): the chosen
     experts' descriptors and z's split (one thread), then ``_moe_decode1``'s steps (its
     flags ``fl``, its workspace ``sc`` from ``_moe_scratch``)."""
-    gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop = sc
     mx = dall.shape[2] == 4
     if region.claim(fl, 9):
         for j in range(dsh.shape[0]):
             dsh[j] = dall[ids[0, j]]
+        P1, ze, zo, zep, zop = sc[7], sc[9], sc[10], sc[11], sc[12]
         _mx_input(z, mx, P1, ze, zo, zep, zop)
         region.finish(fl, 9)
     region.wait(fl, 9)
-    _moe_decode1_part(c, z, dsh, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx, gu, hx,
-                      contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
+    _moe_decode1_part(c, z, dsh, mix, out, mx, sc, fl)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb, tab, mode, y, base):
+def _moe_decode1(z, d, inter_s, mix, out):
     """moe_decode's region: the experts' gate and up products (gates on one half, ups on
     the other), their GLU (one thread), the down products (the experts in two halves),
     ``_moe_mix1`` (one thread), the table's BF16 rows (latent up-projection, shared
@@ -269,17 +280,15 @@ def _moe_decode1(z, d, wts, norm, eps, nw, gu_s, inter_s, situ, beta, lb, has_lb
     up-projection (0), plus the shared expert's down (1), the mix plus it (2), the mix (3);
     then plus ``base`` where it is not empty. Returns False, having done nothing, where
     the descriptors do not chain on z (``_chains``)."""
-    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], y.size
+    G, inter, dz, n_out = d.shape[0], d[0, 0, 0], z.shape[1], out.y.size
     if not _chains(d, dz) or d.shape[2] == 4 and (dz % 2 or inter % 2):
         return False
     mx = d.shape[2] == 4
-    gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop = _moe_scratch(
-        G, inter, dz, inter_s, n_out, mx)
-    _mx_input(z, mx, P1, ze, zo, zep, zop)
+    sc = _moe_scratch(G, inter, dz, inter_s, n_out, mx)
+    _mx_input(z, mx, sc[7], sc[9], sc[10], sc[11], sc[12])
     fl = region.flags(9)
     for i in prange(2):
-        _moe_decode1_part(np.int64(i), z, d, wts, norm, eps, nw, gu_s, situ, beta, lb, has_lb, tab, mode, y, base, mx,
-                          gu, hx, contrib, work, r, hs, down, P1, P3, ze, zo, zep, zop, he, ho, hep, hop, fl)
+        _moe_decode1_part(np.int64(i), z, d, mix, out, mx, sc, fl)
     return True
 
 
@@ -313,9 +322,9 @@ def moe_decode(z, descs: np.ndarray, wts, norm_w, eps: float, shared_gu, situ: t
     bn = _NO_GAIN if base is None else _flat(base)
     if bn.size not in (0, p.n_out):
         return None
-    if not _moe_decode1(zn, descs, _array(wts), norm_w is not None, float(eps),
-                        _NO_GAIN if norm_w is None else described(norm_w, _f32_gain), gu, inter_s,
-                        *_glu_params(situ), p.tab, p.mode, y, bn):
+    mix = MoeMix(_array(wts), norm_w is not None, float(eps),
+                 _NO_GAIN if norm_w is None else described(norm_w, _f32_gain), gu, *_glu_params(situ))
+    if not _moe_decode1(zn, descs, inter_s, mix, MoeOut(p.tab, p.mode, y, bn)):
         return None
     return torch.from_numpy(y).view(1, p.n_out)
 

@@ -50,7 +50,8 @@ of tokens in the call (decode == prefill) or the machine's SIMD width.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from collections import namedtuple
+
 import numba
 import numpy as np
 import torch
@@ -252,13 +253,26 @@ def _mxfp4_t1_serial(x, jobs, out, rb1):
         _t1_rows(xe, xo, xep, xop, jobs[g, J_X0], packed, scale, out, jobs[g, J_OFF], 0, R)
 
 
+#: a row block of one job's weight: rows r0 .. r0 + nrb - 1 of its packed and scale bytes
+TailRows = namedtuple("TailRows", "packed scale r0 nrb")
+#: a block's tokens: rows xt .. xt + nt - 1 of x's even (xe) and odd (xo) elements
+TailTokens = namedtuple("TailTokens", "xe xo xt nt")
+#: a job's results: token t, row r at out[ob + t * R + r] (R rows per token)
+TailOut = namedtuple("TailOut", "out ob R")
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _tail_tree(packed, scale, xe, xo, acc, tb, xt, nt, out, ob, R, r0, nrb, sc3):
-    """Steps 2-3 of the canonical order for rows r0 .. r0 + nrb - 1 and tokens t < nt
-    whose step-1 lanes are in acc[r * tb + t] (+0.0 when there are no whole steps): the
-    tail bytes [Pm, P) of each row (decoded into sc3's rows 1 / 2) with x rows xt + t,
-    then out[ob + t * R + r0 + r] = the halving tree (a whole block's rows' trees of a
-    token at once, ``_trees_rb``)."""
+def _tail_tree(rows, toks, acc, tb, dst, sc3):
+    """Steps 2-3 of the canonical order for rows r0 .. r0 + nrb - 1 (``rows``) and tokens
+    t < nt (``toks``) whose step-1 lanes are in acc[r * tb + t] (+0.0 when there are no
+    whole steps): the tail bytes [Pm, P) of each row (decoded into sc3's rows 1 / 2) with
+    x rows xt + t, then out[ob + t * R + r0 + r] = the halving tree (a whole block's
+    rows' trees of a token at once, ``_trees_rb``)."""
+    # (by attribute: unpacking a tuple of 2-D arrays built in a prange body, as the
+    # callers' are, trips numba's parfor array analysis)
+    packed, scale, r0, nrb = rows.packed, rows.scale, rows.r0, rows.nrb
+    xe, xo, xt, nt = toks.xe, toks.xo, toks.xt, toks.nt
+    out, ob, R = dst.out, dst.ob, dst.R
     P = xe.shape[1]
     nj = P // LANES
     pm = nj * LANES
@@ -343,7 +357,8 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                     else:
                         _vdotn(T, acc, r * _NTF, xe, xo, x0, packed, scale, r0 + r, c0, n, mode, out, off + r0 + r, R)
             if pm < P or nj == 0:
-                _tail_tree(packed, scale, xe, xo, acc, _NTF, x0, T, out, off, R, r0, nrb, gv_all[tid])
+                _tail_tree(TailRows(packed, scale, r0, nrb), TailTokens(xe, xo, x0, T), acc, _NTF,
+                           TailOut(out, off, R), gv_all[tid])
             continue
         ws = ws_all[tid]
         s0 = (b - starts[g]) // nbr * _GST                # this item's super tile: its (token, row) sums in acc
@@ -364,7 +379,8 @@ def _mxfp4_grouped(xe, xo, xep, xop, xg, jobs, out, rb1, rb, jc, nth):
                             _gtile2_1(nt, acc, r * _GST + t0, _GST, 16 * q + _V * h, xg, x0 + s0 + t0,
                                       32 * nj * q + _V * h, ws, r, _V * h, nj)
                             r += 1
-        _tail_tree(packed, scale, xe, xo, acc, _GST, x0 + s0, ns, out, off + s0 * R, R, r0, nrb, gv_all[tid])
+        _tail_tree(TailRows(packed, scale, r0, nrb), TailTokens(xe, xo, x0 + s0, ns), acc, _GST,
+                   TailOut(out, off + s0 * R, R), gv_all[tid])
 
 
 # --------------------------------------------------------------------------- wrappers

@@ -5,7 +5,6 @@ row dots built on them. See ``k3.kernels.mxfp4`` for the format and the canonica
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -275,8 +274,8 @@ def _f32_array(t):
 
 #: how far ahead of the T = 1 decode the packed bytes are prefetched (a hint: x86
 #: prefetches never fault, so running past a matrix's end is harmless). One thread's
-#: sequential stream alone did not keep the memory busy (docs/PERFORMANCE.md, "Kernels");
-#: the BF16 kernel measured no faster with it.
+#: sequential stream alone does not keep the memory busy (docs/PERFORMANCE.md, "Kernels");
+#: the BF16 kernel gains nothing from it.
 PREFETCH_BYTES = 4096
 
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -283,9 +282,9 @@ _gtile2_1 = make_gtile(_NT2, 1, 2, _V)            # a block's last rows
 #: tokens of a T > _NTF job whose accumulators a block keeps at once (its rows are
 #: decoded again for each such super tile)
 _GST = 64
-#: jobs of up to this many tokens decode each step in registers once for all of them
-#: (at 5 and 6 tokens, against the group-major tiles: 0.77x the time on AVX-512, 0.70 / 0.92x
-#: on the AVX2 path; at 7, 1.07x, docs/PERFORMANCE.md)
+#: jobs of up to this many tokens decode each step in registers once for all of them: up
+#: to here that beats the group-major tiles on both paths, from 7 it does not
+#: (docs/PERFORMANCE.md, "Kernels")
 _NTF = 6
 _vdotn = make_vdotn_mxfp4(_NTF)
 _vdotn_w = make_vdotn_w(_NTF)

@@ -7,7 +7,6 @@ calls between two compiled passes.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit

@@ -5,14 +5,20 @@ a stale address behind.
 
 from __future__ import annotations
 
-from __future__ import annotations
 import weakref
+from collections import namedtuple
+
 import torch
 from numba import types
 
 from . import region
 
 _f32p = region.address_intrinsic(types.float32)
+
+#: a region's BF16 steps: the input x, the output y, the step table (region.T_* columns),
+#: where its groups end (rows 0 .. p0-1, p0 .. p1-1, then the rest), the workspace the
+#: table's offsets point into, the pieces' flags
+RegionSteps = namedtuple("RegionSteps", "x y tab p0 p1 work fl")
 
 
 def _bf16_2d(w) -> bool:

@@ -1,8 +1,8 @@
 """One parallel region for several dependent steps: claimable halves and spin waits.
 
 Every kernel launch of a decode step pays a fixed cost beside its work: numba's
-dispatch, waking the pool's worker, the join at the end (~15 us a launch on the
-sandbox VMs, docs/PERFORMANCE.md "Per-token overhead", eighteenth session). A fused op
+dispatch, waking the pool's worker, the join at the end (docs/PERFORMANCE.md,
+"Per-token overhead"). A fused op
 that runs several dependent steps (a matmul, then math on its result, then another
 matmul) can run them all in ONE ``prange(2)`` region instead: each step is cut into
 two halves (or is one piece), and between steps the threads wait for the pieces the
@@ -28,7 +28,6 @@ claim word and done word on separate cache lines).
 
 from __future__ import annotations
 
-from __future__ import annotations
 import platform
 import numba
 import numpy as np

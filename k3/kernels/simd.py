@@ -6,7 +6,6 @@ fast-math: a lane's sum is never reordered.
 
 from __future__ import annotations
 
-from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils

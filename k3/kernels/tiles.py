@@ -5,7 +5,6 @@ CPU's path. Each builds an intrinsic keeping the canonical per-lane fma order.
 
 from __future__ import annotations
 
-from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic

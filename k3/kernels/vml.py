@@ -20,7 +20,6 @@ torch between two compiled passes (a torch build without MKL, another architectu
 
 from __future__ import annotations
 
-from __future__ import annotations
 import ctypes
 import os
 import numpy as np

@@ -29,11 +29,11 @@ import torch
 from .. import env
 from ..config import KDA_L2_EPS
 from ..kernels import vml
-from ..kernels.kda import kda_decode
-from ..kernels.kda_region import kda_decode_layer
+from ..kernels.kda import KdaConsts, KdaWeights, kda_decode
+from ..kernels.kda_region import KdaProj, kda_decode_layer
 from ..kernels.launch import described
 from ..kernels.layer_end import mix_end, plain_end
-from ..kernels.mla_region import mla_decode_layer
+from ..kernels.mla_region import MlaShape, MlaWeights, mla_decode_layer
 from ..kernels.moe import moe_decode
 from ..kernels.norms import add_norm
 from .kda import kda_layer, kda_mix, kda_projections, uses_chunks
@@ -101,6 +101,9 @@ class Compiled:
         self.resident = getattr(provider, "resident_experts", None)
         self.used = getattr(provider, "used_experts", None)
         self.ran: Counter = Counter()   # stage -> steps it ran as ("kda region", "plain mixer", ...)
+        if any(not cfg.is_mla(i) for i in range(cfg.num_hidden_layers)):
+            self.kda_consts = KdaConsts(cfg.kda_num_heads, KDA_L2_EPS, cfg.kda_head_dim ** -0.5,
+                                        cfg.gate_lower_bound, cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------ mixers
     def mixer(self, i, w, x, st, end=None):
@@ -115,17 +118,16 @@ class Compiled:
     def _kda(self, w, x, st, end):
         cfg = self.cfg
         T = x.shape[0]
-        H, D = cfg.kda_num_heads, cfg.kda_head_dim
-        conv_ws = [w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"]
+        H = cfg.kda_num_heads
+        wts = KdaWeights([w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], w["self_attn.A_log"],
+                         w["self_attn.dt_bias"], w["self_attn.o_norm.weight"])
         if T == 1 and not self.kda_chunked and st.record is None:  # the whole step in one parallel region
             gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
             ws = [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
-            step = kda_decode_layer(x, ws, w["self_attn.f_b_proj.weight"],
-                                    None if cfg.kda_full_rank_gate else w["self_attn.g_b_proj.weight"],
-                                    conv_ws, [st.conv_q, st.conv_k, st.conv_v], KDA_L2_EPS, D ** -0.5,
-                                    w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound, st.S,
-                                    pool_take((H, ws[0].shape[0] // H, ws[2].shape[0] // H)),
-                                    w["self_attn.o_norm.weight"], cfg.rms_norm_eps, w["self_attn.o_proj.weight"], end)
+            proj = KdaProj(ws, w["self_attn.f_b_proj.weight"],
+                           None if cfg.kda_full_rank_gate else w["self_attn.g_b_proj.weight"], w["self_attn.o_proj.weight"])
+            step = kda_decode_layer(x, proj, wts, self.kda_consts, [st.conv_q, st.conv_k, st.conv_v], st.S,
+                                    pool_take((H, ws[0].shape[0] // H, ws[2].shape[0] // H)), end)
             if step is not None:
                 y, S, (st.conv_q, st.conv_k, st.conv_v) = step
                 st.advance(S)
@@ -136,10 +138,8 @@ class Compiled:
         # the recurrent form after the projections: inputs, decay, recurrence, gated norm in one call
         proj = kda_projections(cfg, w, x)
         q_in, k_in, v_in, b, u, z = proj
-        step = kda_decode([q_in, k_in, v_in], conv_ws, [st.conv_q, st.conv_k, st.conv_v], b, KDA_L2_EPS, D ** -0.5,
-                          u, w["self_attn.A_log"], w["self_attn.dt_bias"], H, cfg.gate_lower_bound, st.S,
-                          pool_take((H, q_in.shape[1] // H, v_in.shape[1] // H)), w["self_attn.o_norm.weight"],
-                          cfg.rms_norm_eps, z)
+        step = kda_decode([q_in, k_in, v_in], b, u, z, [st.conv_q, st.conv_k, st.conv_v], st.S,
+                          pool_take((H, q_in.shape[1] // H, v_in.shape[1] // H)), wts, self.kda_consts)
         if step is None:
             self.ran["plain mixer"] += 1
             return kda_mix(cfg, w, proj, st, False)
@@ -155,13 +155,14 @@ class Compiled:
         H, nope, rope, vd = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         lora = cfg.q_lora_rank is not None
         kb, vb = st.room(1, (cfg.kv_lora_rank,), (rope,), x)
-        y = mla_decode_layer(x, w["self_attn.q_a_proj.weight" if lora else "self_attn.q_proj.weight"],
-                             w["self_attn.q_a_layernorm.weight"] if lora else None,
-                             w["self_attn.q_b_proj.weight"] if lora else None, w["self_attn.kv_a_proj_with_mqa.weight"],
-                             w["self_attn.kv_a_layernorm.weight"], w["self_attn.kv_b_proj.weight"],
-                             w["self_attn.g_proj.weight"] if cfg.mla_use_output_gate else None,
-                             w["self_attn.o_proj.weight"], kb.numpy(), vb.numpy(), st.length, H, nope, rope, vd,
-                             cfg.mla_norm_eps, (nope + rope) ** -0.5, end)
+        mats = MlaWeights(w["self_attn.q_a_proj.weight" if lora else "self_attn.q_proj.weight"],
+                          w["self_attn.q_a_layernorm.weight"] if lora else None,
+                          w["self_attn.q_b_proj.weight"] if lora else None, w["self_attn.kv_a_proj_with_mqa.weight"],
+                          w["self_attn.kv_a_layernorm.weight"], w["self_attn.kv_b_proj.weight"],
+                          w["self_attn.g_proj.weight"] if cfg.mla_use_output_gate else None,
+                          w["self_attn.o_proj.weight"])
+        y = mla_decode_layer(x, mats, MlaShape(H, nope, rope, vd, cfg.mla_norm_eps, (nope + rope) ** -0.5),
+                             kb.numpy(), vb.numpy(), st.length, end)
         if y is not None:
             st.extend(1)
             self.ran["mla region"] += 1
