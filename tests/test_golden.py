@@ -15,6 +15,14 @@ changed generator apart from changed arithmetic. The values are keyed by nothing
 the machine: k3's results do not depend on the thread count or on the instruction set
 its kernels compile for (docs/ARCHITECTURE.md), which the slow tests check by forcing
 each set (K3_KERNEL_ISA) in a fresh process.
+
+The in-process cases take ~25 s with warm kernels. The slow ones (-m slow) take ~20 s
+per instruction set once compiled, and compile each set once per version of the k3
+sources (~3.5 minutes a set on 2 cores; record.isa_cache says where).
+To hold another checkout to the values, run this file from that checkout's root with it
+first on the path (copy tests/test_golden.py and tests/golden/ there if it lacks them):
+
+    cd OTHER && PYTHONPATH=$PWD python -m pytest tests/test_golden.py
 """
 
 from __future__ import annotations
