@@ -100,9 +100,10 @@ class WeightProvider(Protocol):
     def release_layer(self, i: int) -> None:
         """The math is done with layer i for this step (a streaming provider may reuse it)."""
 
-    # Optional (the math checks with getattr): a provider that can say when it holds every
-    # routed expert of a layer lets a decode step run the layer's MoE block inside the
-    # mixer's compiled region, with no fetch between the router and the experts.
+    # Optional (k3.model.compiled looks them up once, when it is built): a provider that
+    # can say when it holds every routed expert of a layer lets a decode step run the
+    # layer's MoE block inside the mixer's compiled region, with no fetch between the
+    # router and the experts.
     def resident_experts(self, i: int) -> ExpertSet | None:
         """Every routed expert of layer i (by id) when all are held, else None; the same
         object while none of them moves, valid until the next expert_groups call."""
