@@ -441,7 +441,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(srv):
     for key, bad in (("temperature", "hot"), ("temperature", 7), ("top_p", 0), ("max_tokens", "2"), ("max_tokens", 0),
                      ("seed", 1.5), ("seed", -1), ("stream", "yes"), ("stop", 5), ("stop", ["a"] * 5),
                      ("n", 2), ("messages", "hi"), ("messages", []), ("messages", [{"role": "bot", "content": "x"}]),
-                     ("tools", {"x": 1}), ("logprobs", True), ("presence_penalty", 1.0),
+                     ("tools", {"x": 1}), ("logprobs", "yes"), ("top_logprobs", 3), ("presence_penalty", 1.0),
                      ("stream_options", {"include_usage": True})):
         status, body = http("POST", chat, dict(ok, **{key: bad}))
         assert_error(status, body, 400)
@@ -471,13 +471,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(srv):
 
 def test_api_key(srv1):
     u = srv1.url
-    for path in ("/v1/models", "/health", "/metrics", "/v1/nothing"):
+    for path in ("/v1/models", "/metrics", "/v1/nothing"):
         assert_error(*http("GET", u + path), 401, code="invalid_api_key")
         assert_error(*http("GET", u + path, headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
+        assert_error(*http("GET", u + path, headers={"x-api-key": "wrong"}), 401, code="invalid_api_key")
     assert_error(*http("POST", u + "/v1/completions", {"model": "tiny", "prompt": "x"}), 401)
+    assert_error(*http("POST", u + "/health", {}), 401, code="invalid_api_key")
     with pytest.raises(openai.AuthenticationError):
         srv1.client("wrong").models.list()
-    assert http("GET", u + "/health", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    # /health is open (a load balancer's probe has no key), and then says no more than liveness and counts
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        code, body = http("GET", u + "/health", headers=headers)
+        assert code == 200 and set(body) == {"status", "model", "active", "queued", "max_batch", "max_queue"}
+    code, body = http("GET", u + "/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert code == 200 and "read_per_token" in body
+    assert http("GET", u + "/v1/models", headers={"x-api-key": KEY})[0] == 200   # Anthropic's header
     r = srv1.client(KEY).completions.create(model="tiny", prompt="x", max_tokens=1)
     assert r.usage.completion_tokens == 1
 
@@ -627,6 +635,58 @@ def test_a_prompt_that_extends_a_finished_answer_continues_its_state(srv, eng, k
     r2 = c.completions.create(model="tiny", prompt=p2, max_tokens=4, seed=9, extra_body={"return_token_ids": True})
     assert r2.usage.prompt_tokens_details.cached_tokens == len(p) + len(g) - 1  # its last token was never read
     assert r2.choices[0].token_ids == fresh(eng, p2, 4, seed=9, stop_ids=[tok.eos_id])
+
+
+# ---------------------------------------------------------------- logprobs
+def test_logprobs_are_the_log_softmax_of_k3_runs_logits(srv, k3dir, tmp_path):
+    """Completions' logprobs (and their top alternatives) are torch.log_softmax of the
+    exact fp32 logits `k3 run --dump-logits` gives for the same prefix, sampled or not;
+    streamed, the same values token by token; chat returns OpenAI's content form."""
+    import numpy as np
+    import torch
+    c = srv.client()
+    prompt, n = [5, 17, 99, 300, 42], 3
+    got = c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.9, seed=3, logprobs=5,
+                               extra_body={"return_token_ids": True})
+    ch = got.choices[0]
+    ids, lp = ch.token_ids, ch.logprobs
+    assert len(ids) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens) == len(lp.text_offset)
+    tok = Tokenizer(k3dir)
+    for k, t in enumerate(ids):
+        f = tmp_path / f"logits{k}.bin"
+        r = subprocess.run([sys.executable, "-m", "k3", "run", str(k3dir), "--ids", ",".join(map(str, prompt + ids[:k])),
+                            "--gen", "1", "--greedy", "--dump-logits", str(f)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        want = torch.log_softmax(torch.from_numpy(np.fromfile(f, dtype="<f4")), dim=-1)
+        assert abs(lp.token_logprobs[k] - float(want[t])) <= 1e-6
+        top = torch.topk(want, 5)
+        alts = lp.top_logprobs[k]
+        assert len(alts) == 5 and lp.tokens[k] == tok.token_bytes(t).decode("utf-8", errors="replace")
+        for i, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(alts[tok.token_bytes(i).decode("utf-8", errors="replace")] - v) <= 1e-6
+    # streamed: the same numbers, each token's with it
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.9, seed=3, logprobs=5,
+                                       stream=True))
+    streamed = [v for x in chunks if x.choices and x.choices[0].logprobs for v in x.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    # chat: logprobs.content, top_logprobs alternatives, streamed alike
+    msgs = [{"role": "user", "content": "Hello"}]
+    a = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                  top_logprobs=3, extra_body={"return_token_ids": True})
+    content = a.choices[0].logprobs.content
+    assert len(content) == len(a.choices[0].token_ids) and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob for e in content)   # greedy: the top one
+    assert all(bytes(e.bytes).decode("utf-8", errors="replace") == e.token for e in content)
+    s = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=3, stream=True))
+    assert [e.logprob for x in s if x.choices and x.choices[0].logprobs for e in x.choices[0].logprobs.content] == \
+        [e.logprob for e in content]
+    # without logprobs: none; top_logprobs alone or out of range: 400
+    assert c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1).choices[0].logprobs is None
+    for bad_body in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, **bad_body)
 
 
 # ---------------------------------------------------------------- start and stop

@@ -1,9 +1,11 @@
 """The ASGI application of `k3 serve` (Starlette) and the uvicorn server around it.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming over SSE or
-not), GET /v1/models[/{model}], GET /health, GET /metrics (Prometheus text). Every
-error is an OpenAI error object {"error": {"message", "type", "param", "code"}}. With an
-API key every request needs ``Authorization: Bearer KEY`` (401 otherwise).
+not), POST /v1/messages and /v1/messages/count_tokens (Anthropic's API, k3.server.anthropic),
+GET /v1/models[/{model}], GET /health, GET /metrics (Prometheus text). Every error is an
+OpenAI error object {"error": {"message", "type", "param", "code"}} (Anthropic's shape on
+/v1/messages). With an API key every request but GET /health needs ``Authorization:
+Bearer KEY`` or ``x-api-key: KEY`` (401 otherwise).
 
 A client that goes away - while its request waits for a slot, while its prompt is read,
 or mid-stream - is noticed at once (the connection's http.disconnect) and its slot is
@@ -28,12 +30,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from . import anthropic as anthropic_api
 from . import protocol
 from .metrics import Metrics
 from .protocol import ApiError, ChatAnswer, CompletionAnswer, GenRequest, ModelContext
 from .scheduler import Job, Scheduler
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+             "/health", "/metrics")
 
 
 class ClientGone(Exception):
@@ -103,6 +107,8 @@ class Server:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -123,10 +129,14 @@ class Server:
             await send(msg)
 
         try:
-            if self.api_key is not None and not self._authorized(scope):
-                e = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'.",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(e)(scope, receive, counting_send)
+            scope["k3.authorized"] = self.api_key is None or self._authorized(scope)
+            # /health stays open, so a load balancer's probe needs no key (without it the
+            # answer says only whether the server is up and how many requests it holds)
+            if not scope["k3.authorized"] and not (scope.get("path") == "/health" and scope.get("method") == "GET"):
+                e = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
+                                  "'x-api-key: KEY').", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                resp = _anthropic_error(e) if scope.get("path", "").startswith("/v1/messages") else error_response(e)
+                await resp(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
         finally:
@@ -135,10 +145,14 @@ class Server:
             self.metrics.request(ep, status[0] or 499)  # 499: the client went away before an answer
 
     def _authorized(self, scope) -> bool:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key)."""
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 scheme, _, key = v.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key):
+                    return True
+            elif k == b"x-api-key" and hmac.compare_digest(v.strip(), self.api_key):
+                return True
         return False
 
     async def _http_error(self, request, exc: HTTPException):
@@ -174,7 +188,8 @@ class Server:
                 "model": self.ctx.name, "active": s.active, "queued": s.queued,
                 "max_batch": self.metrics.gauges["max_batch"], "max_queue": s.max_queue}
         eng = s.engine
-        if eng is not None:  # what a pass costs: the plan's price for its batch, and what the passes so far taught
+        # what a pass costs (the plan's price for its batch, what the passes so far taught): only with the key
+        if eng is not None and request.scope.get("k3.authorized", True):
             body["read_per_token"] = {"planned": eng.plan.read_per_token, "priced_for_batch": eng.plan.sequences,
                                       "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -189,24 +204,45 @@ class Server:
     async def completions(self, request):
         return await self._generate(request, protocol.parse_completion)
 
-    async def _generate(self, request: Request, parse) -> Response:
+    async def messages(self, request):
+        def parse(body, ctx):
+            return protocol.parse_chat(anthropic_api.to_chat_body(body), ctx)
+        return await self._generate(request, parse, anthropic=True)
+
+    async def count_tokens(self, request):
+        try:
+            body = protocol.parse_json_body(await read_body(request, self.max_body))
+            g = protocol.parse_chat(anthropic_api.to_chat_body(body, count_only=True), self.ctx)
+        except ApiError as e:
+            return _anthropic_error(e)
+        return JSONResponse({"input_tokens": len(g.prompt)})
+
+    async def _generate(self, request: Request, parse, anthropic: bool = False) -> Response:
+        err = _anthropic_error if anthropic else error_response
         try:
             body = protocol.parse_json_body(await read_body(request, self.max_body))
             g = parse(body, self.ctx)
             job = Job(g, asyncio.get_running_loop(), asyncio.Queue())
             self.sched.submit(job)
         except ApiError as e:
-            return error_response(e)
+            return err(e)
         watcher = asyncio.ensure_future(_watch_disconnect(request.receive))
         handed = False
         try:
             first = await _next_event(job, watcher)  # admitted (or refused) before any byte is sent
             if first["type"] == "error":
-                return error_response(_event_error(first))
+                return err(_event_error(first))
             job.cached = first.get("cached", 0)
             if g.stream:
                 handed = True  # the stream owns the watcher and the job from here
-                return _SSE(self, job, watcher)
+                return (_MessagesSSE if anthropic else _SSE)(self, job, watcher)
+            if anthropic:
+                got = await self._run(job, watcher)
+                if isinstance(got, ApiError):
+                    return err(got)
+                ans, tokens, _, finish = got
+                return JSONResponse(anthropic_api.message(self.ctx.name, ans, finish, len(g.prompt), len(tokens),
+                                                          job.cached))
             return await self._collect(job, watcher)
         except ClientGone:
             return Response(status_code=499)
@@ -220,18 +256,48 @@ class Server:
             return ChatAnswer(g.fmt, self.ctx.tokenizer, g.stops, thinking=g.thinking)
         return CompletionAnswer(self.ctx.tokenizer, g.stop_ids, g.stops)
 
-    async def _collect(self, job: Job, watcher) -> Response:
+    def _logprobs(self, g: GenRequest, tokens: list[int], lps: list) -> dict | None:
+        """The logprobs object of ``tokens`` (OpenAI's chat or legacy completions form)."""
+        if g.logprobs is None:
+            return None
+        tok = self.ctx.tokenizer
+
+        def text(t: int) -> tuple[str, list[int]]:
+            b = tok.token_bytes(t) if tok is not None else str(t).encode()
+            return b.decode("utf-8", errors="replace"), list(b)
+        if g.kind == "chat":
+            content = []
+            for t, (lp, alts) in zip(tokens, lps):
+                s, b = text(t)
+                content.append({"token": s, "logprob": lp, "bytes": b,
+                                "top_logprobs": [dict(zip(("token", "bytes"), text(a)), logprob=v) for a, v in alts]})
+            return {"content": content, "refusal": None}
+        strs = [text(t)[0] for t in tokens]
+        offsets, off = [], 0
+        for s in strs:
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": strs, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{text(a)[0]: v for a, v in alts} for _, alts in lps] if g.logprobs else None,
+                "text_offset": offsets}
+
+    async def _run(self, job: Job, watcher):
+        """The whole answer: (the Answer, its tokens, their logprobs, the engine's finish),
+        or the ApiError that ended it."""
         g = job.req
         ans = self._answer(g)
         tokens: list[int] = []
+        lps: list = []
         finish = None
         while finish is None and not ans.stopped:
             ev = await _next_event(job, watcher)
             if ev["type"] == "error":
-                return error_response(_event_error(ev))
+                return _event_error(ev)
             if ev["type"] == "tokens":
-                for t in ev["tokens"]:
+                for j, t in enumerate(ev["tokens"]):
                     tokens.append(t)
+                    if "logprobs" in ev:
+                        lps.append(ev["logprobs"][j])
                     ans.feed(t)
                     if ans.stopped:
                         break
@@ -240,14 +306,23 @@ class Server:
             elif ev["type"] == "end":
                 finish = ev["finish"]
         ans.finish()
+        return ans, tokens, lps, finish
+
+    async def _collect(self, job: Job, watcher) -> Response:
+        g = job.req
+        got = await self._run(job, watcher)
+        if isinstance(got, ApiError):
+            return error_response(got)
+        ans, tokens, lps, finish = got
         use = protocol.usage(len(g.prompt), len(tokens), job.cached)
         if g.kind == "chat":
             fr = protocol.finish_reason(finish, ans.stopped, bool(ans.tool_calls))
-            choice = {"index": 0, "message": ans.message(), "logprobs": None, "finish_reason": fr}
+            choice = {"index": 0, "message": ans.message(), "logprobs": self._logprobs(g, tokens, lps),
+                      "finish_reason": fr}
             obj = "chat.completion"
             rid = protocol.new_id("chatcmpl")
         else:
-            choice = {"index": 0, "text": ans.text, "logprobs": None,
+            choice = {"index": 0, "text": ans.text, "logprobs": self._logprobs(g, tokens, lps),
                       "finish_reason": protocol.finish_reason(finish, ans.stopped)}
             obj = "text_completion"
             rid = protocol.new_id("cmpl")
@@ -289,8 +364,9 @@ class _SSE:
         def frame(obj) -> bytes:
             return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
-        def chunk(delta: dict | None = None, text: str | None = None, finish=None, token_ids=None) -> bytes:
-            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(delta: dict | None = None, text: str | None = None, finish=None, token_ids=None,
+                  logprobs=None) -> bytes:
+            c = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
             if chat:
                 c["delta"] = delta or {}
             else:
@@ -334,14 +410,15 @@ class _SSE:
             if ans.stopped:
                 srv.sched.cancel(job)
             ids = used if g.return_token_ids else None
+            lp = srv._logprobs(g, used, ev.get("logprobs", [])[:len(used)])   # a token's logprobs come with it
             if chat:
                 d = merged([x for p in pieces for x in p])
-                if d or ids is not None:
-                    yield chunk(d, token_ids=ids)
+                if d or ids is not None or lp is not None:
+                    yield chunk(d, token_ids=ids, logprobs=lp)
             else:
                 s = "".join(pieces)
-                if s or ids is not None:
-                    yield chunk(text=s, token_ids=ids)
+                if s or ids is not None or lp is not None:
+                    yield chunk(text=s, token_ids=ids, logprobs=lp)
         tail = ans.finish()
         if chat:
             d = merged(tail)
@@ -360,6 +437,49 @@ class _SSE:
                          "created": created, "model": model, "system_fingerprint": protocol.SYSTEM_FINGERPRINT,
                          "choices": [], "usage": protocol.usage(len(g.prompt), n, job.cached)})
         yield b"data: [DONE]\n\n"
+
+
+class _MessagesSSE(_SSE):
+    """A streamed Messages answer: Anthropic's events (message_start, content_block_start
+    / _delta / _stop per block, message_delta with the stop reason and usage,
+    message_stop), an error as an ``error`` event."""
+
+    async def _frames(self):
+        srv, job = self.server, self.job
+        g = job.req
+        ans = srv._answer(g)
+        es = anthropic_api.EventStream(srv.ctx.name, len(g.prompt), job.cached)
+        for e, d in es.start():
+            yield anthropic_api.frame(e, d)
+        n, finish = 0, None
+        while finish is None and not ans.stopped:
+            ev = await _next_event(job, self.watcher)
+            if ev["type"] == "error":
+                body, _ = anthropic_api.api_error(_event_error(ev))
+                yield anthropic_api.frame("error", body)
+                return
+            if ev["type"] == "end":
+                finish = ev["finish"]
+                continue
+            if ev["type"] != "tokens":
+                continue
+            deltas = []
+            for t in ev["tokens"]:
+                n += 1
+                deltas += ans.feed(t)
+                if ans.stopped:
+                    break
+            if ans.stopped:
+                srv.sched.cancel(job)
+            for e, d in es.deltas(deltas):
+                yield anthropic_api.frame(e, d)
+        for e, d in es.deltas(ans.finish()) + es.end(ans, finish, n):
+            yield anthropic_api.frame(e, d)
+
+
+def _anthropic_error(e: ApiError) -> JSONResponse:
+    body, status = anthropic_api.api_error(e)
+    return JSONResponse(body, status_code=status, headers=e.headers)
 
 
 # ====================================================================== the HTTP server

@@ -146,10 +146,6 @@ def refuse_unsupported(body: dict) -> None:
         raise bad(f"'logit_bias' must be an object, got {_kind(lb)}.", "logit_bias", "invalid_type")
     if lb:
         raise bad("'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")
-    for key in ("logprobs", "top_logprobs"):
-        v = body.get(key)
-        if v not in (None, False):
-            raise bad(f"'{key}' is not supported.", key, "unsupported_parameter")
 
 
 # ====================================================================== what the server knows
@@ -210,6 +206,7 @@ class GenRequest:
     include_usage: bool
     return_token_ids: bool
     fmt: Any = None  # chat: the ChatFormat the answer is parsed with
+    logprobs: int | None = None  # None: no logprobs; else how many most likely alternatives each token lists
     thinking: bool = False
     settings: Any = None  # the SamplingSettings (None: greedy)
 
@@ -362,6 +359,34 @@ def _thinking(body: dict, ctx: ModelContext) -> tuple[bool, str | None]:
     return thinking, (effort if thinking else None)
 
 
+#: the most alternatives a token's logprobs list (OpenAI's limit for top_logprobs)
+MAX_TOP_LOGPROBS = 20
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """A chat request's logprobs: None, or the number of alternatives (top_logprobs, 0..20,
+    which needs logprobs: true)."""
+    top = opt_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if not opt_bool(body, "logprobs"):
+        if top is not None:
+            raise bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
+        return None
+    return top or 0
+
+
+def token_logprobs(logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log p of ``token``, the ``top`` most likely ids with theirs): the log-softmax of
+    the exact fp32 logits the model gave, before any temperature, top-p or top-k (what
+    the model itself assigns; docs/SERVER.md)."""
+    import torch
+    lp = torch.log_softmax(logits.reshape(-1).to(torch.float32), dim=-1)
+    alts = []
+    if top:
+        v, i = torch.topk(lp, min(top, lp.numel()))
+        alts = list(zip(i.tolist(), v.tolist()))
+    return float(lp[token]), alts
+
+
 def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     check_model(body, ctx)
     refuse_unsupported(body)
@@ -400,7 +425,8 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     sampler, settings = make_sampler(ctx, body)
     return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
                       include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
-                      thinking=isinstance(fmt, K3Format) and thinking, settings=settings)
+                      thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
+                      logprobs=_chat_logprobs(body))
 
 
 # ====================================================================== /v1/completions
@@ -453,8 +479,12 @@ def parse_completion(body: dict, ctx: ModelContext) -> GenRequest:
         raise bad("the prompt is empty: give at least one token.", "prompt", "invalid_value")
     max_tokens = _max_tokens(body, ctx, len(prompt), ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
     sampler, settings = make_sampler(ctx, body)
+    if body.get("top_logprobs") is not None:
+        raise bad("'top_logprobs' is a chat parameter; a completion takes 'logprobs': N (0..20).", "top_logprobs",
+                  "unsupported_parameter")
     return GenRequest("completion", prompt, max_tokens, sampler, completion_stop_ids(ctx), stop_strings(body),
-                      stream, include_usage, opt_bool(body, "return_token_ids"), settings=settings)
+                      stream, include_usage, opt_bool(body, "return_token_ids"), settings=settings,
+                      logprobs=opt_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS))
 
 
 # ====================================================================== answers
@@ -466,6 +496,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.buf = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string the text ended at
 
     def push(self, text: str) -> str:
         if self.hit:
@@ -474,9 +505,10 @@ class StopMatcher:
         if not self.stops:
             out, self.buf = self.buf, ""
             return out
-        at = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        at = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if at:
-            out, self.buf, self.hit = self.buf[:min(at)], "", True
+            i, self.matched = min(at, key=lambda x: x[0])
+            out, self.buf, self.hit = self.buf[:i], "", True
             return out
         keep = 0
         for s in self.stops:

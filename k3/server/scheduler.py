@@ -13,7 +13,9 @@ refused before the server listens), then drives one :class:`k3.decode.Batch`:
 Jobs wait in a bounded queue (full: 429). The HTTP side reads a job's events from an
 asyncio queue filled from this thread (``loop.call_soon_threadsafe``):
 ``{"type": "admitted", "cached": n}``, ``{"type": "tokens", "tokens": [...], "finish": f}``
-(f: None, "stop" or "length"), ``{"type": "end", "finish": f, "cached": n, "prefill": n}``,
+(f: None, "stop" or "length"; with the request's logprobs, ``"logprobs"``: per token
+(its log p, [(id, log p) of the most likely]), ``protocol.token_logprobs``),
+``{"type": "end", "finish": f, "cached": n, "prefill": n}``,
 ``{"type": "error", "status": s, "message": m}``.
 """
 
@@ -29,7 +31,7 @@ from typing import Callable
 from ..errors import K3Error
 from .metrics import Metrics
 from .prefix import PrefixCache
-from .protocol import ApiError, GenRequest
+from .protocol import ApiError, GenRequest, token_logprobs
 
 
 class Job:
@@ -216,7 +218,7 @@ class Scheduler:
                 cached, state = hit
         try:
             r = batch.add(g.prompt[cached:], state=state, max_tokens=g.max_tokens, sampler=g.sampler,
-                          stop_ids=g.stop_ids)
+                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None)
         except K3Error as e:
             job.ended = True
             job.push({"type": "error", "status": 400, "message": str(e), "code": "invalid_value"})
@@ -263,7 +265,10 @@ class Scheduler:
                 if self.prefix is not None and job.req.kind == "chat" and r.state is not None \
                         and len(r.state.ids) == len(job.req.prompt):
                     self.prefix.put(r.state)  # the prompt read: the next turn of this chat starts with it
-            job.push({"type": "tokens", "tokens": [s.token for s in steps], "finish": r.finish})
+            ev = {"type": "tokens", "tokens": [s.token for s in steps], "finish": r.finish}
+            if job.req.logprobs is not None:
+                ev["logprobs"] = [token_logprobs(s.logits, s.token, job.req.logprobs) for s in steps]
+            job.push(ev)
             if r.finished:
                 self._finish(batch, job)
         self.metrics.on_pass(dt, emitted, n, delta, trunk.stats()["reads"] if trunk is not None else 0)
