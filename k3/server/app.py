@@ -354,6 +354,32 @@ class _SSE:
             self.watcher.cancel()
             self.server.sched.cancel(self.job)  # no-op once it ended
 
+    async def _fed(self, ans):
+        """The job's tokens fed to ``ans`` until the engine ends the job (``self.finish``
+        then holds its finish) or a stop string: yields (the tokens fed, the pieces ``ans``
+        gave for them, their event) per tokens event, or (the ApiError, None, None) for an
+        error event, the last thing it yields."""
+        self.finish = None
+        while self.finish is None and not ans.stopped:
+            ev = await _next_event(self.job, self.watcher)
+            if ev["type"] == "error":
+                yield _event_error(ev), None, None
+                return
+            if ev["type"] == "end":
+                self.finish = ev["finish"]
+                continue
+            if ev["type"] != "tokens":
+                continue
+            used, pieces = [], []
+            for t in ev["tokens"]:
+                used.append(t)
+                pieces.append(ans.feed(t))
+                if ans.stopped:
+                    break
+            if ans.stopped:
+                self.server.sched.cancel(self.job)
+            yield used, pieces, ev
+
     async def _frames(self):
         srv, job = self.server, self.job
         g = job.req
@@ -389,26 +415,11 @@ class _SSE:
         if chat:
             yield chunk({"role": "assistant", "content": ""})
         n = 0
-        finish = None
-        while finish is None and not ans.stopped:
-            ev = await _next_event(job, self.watcher)
-            if ev["type"] == "error":
-                yield frame(_event_error(ev).body())
+        async for used, pieces, ev in self._fed(ans):
+            if isinstance(used, ApiError):
+                yield frame(used.body())
                 return
-            if ev["type"] == "end":
-                finish = ev["finish"]
-                continue
-            if ev["type"] != "tokens":
-                continue
-            used, pieces = [], []
-            for t in ev["tokens"]:
-                used.append(t)
-                pieces.append(ans.feed(t))
-                if ans.stopped:
-                    break
             n += len(used)
-            if ans.stopped:
-                srv.sched.cancel(job)
             ids = used if g.return_token_ids else None
             lp = srv._logprobs(g, used, ev.get("logprobs", [])[:len(used)])   # a token's logprobs come with it
             if chat:
@@ -419,6 +430,7 @@ class _SSE:
                 s = "".join(pieces)
                 if s or ids is not None or lp is not None:
                     yield chunk(text=s, token_ids=ids, logprobs=lp)
+        finish = self.finish
         tail = ans.finish()
         if chat:
             d = merged(tail)
@@ -451,29 +463,15 @@ class _MessagesSSE(_SSE):
         es = anthropic_api.EventStream(srv.ctx.name, len(g.prompt), job.cached)
         for e, d in es.start():
             yield anthropic_api.frame(e, d)
-        n, finish = 0, None
-        while finish is None and not ans.stopped:
-            ev = await _next_event(job, self.watcher)
-            if ev["type"] == "error":
-                body, _ = anthropic_api.api_error(_event_error(ev))
-                yield anthropic_api.frame("error", body)
+        n = 0
+        async for used, pieces, _ in self._fed(ans):
+            if isinstance(used, ApiError):
+                yield anthropic_api.frame("error", anthropic_api.api_error(used)[0])
                 return
-            if ev["type"] == "end":
-                finish = ev["finish"]
-                continue
-            if ev["type"] != "tokens":
-                continue
-            deltas = []
-            for t in ev["tokens"]:
-                n += 1
-                deltas += ans.feed(t)
-                if ans.stopped:
-                    break
-            if ans.stopped:
-                srv.sched.cancel(job)
-            for e, d in es.deltas(deltas):
+            n += len(used)
+            for e, d in es.deltas([x for p in pieces for x in p]):
                 yield anthropic_api.frame(e, d)
-        for e, d in es.deltas(ans.finish()) + es.end(ans, finish, n):
+        for e, d in es.deltas(ans.finish()) + es.end(ans, self.finish, n):
             yield anthropic_api.frame(e, d)
 
 
