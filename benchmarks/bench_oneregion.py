@@ -11,7 +11,7 @@ threads kept in one parallel region, a spin barrier after each call:
              ``k3.kernels.bf16.run_bf16_jobs`` hooked: every one-token BF16 call's
              activations and job table (the engine's own weights, in place)
   launches   those calls replayed through ``run_bf16_jobs`` one after another: the
-             engine's launch path (serial below ``_T1_SERIAL_WORK``, else the pool),
+             engine's launch path (serial below ``launch.SERIAL_LIMITS["bf16"]``, else the pool),
              without its Python wrappers (job tables built, outputs wrapped in torch),
              so the saving measured is a lower bound
   region     the same calls inside ONE ``prange(2)`` with k3.kernels.region's pieces (as

@@ -203,7 +203,7 @@ class Engine:
     def paths(self) -> dict:
         """Which way each layer runs (k3.model.compiled.describe): the compiled regions or
         the plain forward, which layers have which region, and how often each stage ran."""
-        return compiled.describe(self.cfg, range(self.model.n_layers), self.model.fast)
+        return compiled.describe(self.cfg, range(self.model.n_layers), self.model.fast, self.model.plain_because)
 
     def counters(self) -> dict:
         """Cumulative I/O counters of the run (the decode loop reports their per-step

@@ -286,7 +286,7 @@ def cold_reads_after_stream(stream_bytes: int = 128 << 20, lines: int = COLD_LIN
     them from the caches, so the glue then waits on memory line by line: ~0.1 us a line
     on a quiet machine, several times that where other tenants load the memory, which
     then multiplies a small model's per-token glue (docs/PERFORMANCE.md, "Per-token
-    overhead", seventeenth session). One thread; the stream is a numpy sum over a part of
+    overhead"). One thread; the stream is a numpy sum over a part of
     a buffer twice its size, a new part each time."""
     import statistics
     import time

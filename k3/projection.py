@@ -20,8 +20,8 @@ A pass of T tokens takes the longer of
               (a layer's experts are read, then multiplied)
             + streamed lm_head / sequential rate + lm_head bytes x T / BF16 rate
 
-and a token T times less. (The ring's reads and the lm_head's run side by side: on the
-896-expert pool the drive served the two at 4.4 GB/s together, 2.8 each alone.) A projected plan holds a 4,096-position context and reads prompts
+and a token T times less. (The ring's reads and the lm_head's run side by side: the drive serves the two together
+faster than either alone, docs/PERFORMANCE.md "At K3's expert pool".) A projected plan holds a 4,096-position context and reads prompts
 in pieces of 64 tokens a sequence. Speculation is projected at a stated acceptance per draft,
 reading the drafts that give the most tokens per second (as the decode loop does).
 Nothing here allocates the model; the released K3's shapes come from the synthetic

@@ -63,7 +63,7 @@ def test_the_choice_is_made_once_and_reported(model_dir):
     lines = []
     with k3.load(model_dir, log=lambda m="", **k: lines.append(m)) as eng:
         cfg = eng.cfg
-        d = compiled.describe(cfg, range(eng.n_layers), eng.model.fast)
+        d = compiled.describe(cfg, range(eng.n_layers), eng.model.fast, eng.model.plain_because)
         assert d["layers"]["kda"] == compiled._ranges([i for i in range(eng.n_layers) if not cfg.is_mla(i)])
     assert sum(m.startswith("layers: ") for m in lines) == 1
     assert compiled._ranges([0, 1, 2, 4, 6, 7]) == "0-2,4,6-7" and compiled._ranges([3]) == "3"

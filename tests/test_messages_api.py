@@ -112,6 +112,10 @@ def test_errors_have_anthropics_shape(srv):
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(srv, "wrong").messages.create(model="tiny", max_tokens=4, messages=MSGS)
     assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError):   # a prefilled assistant turn to continue: not supported
+        c.messages.create(model="tiny", max_tokens=4, messages=MSGS + [{"role": "assistant", "content": "I am"}])
+    code, body = http("GET", srv.url + "/v1/messages", headers={"x-api-key": KEY})   # 405, Anthropic's shape
+    assert code == 405 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     # x-api-key (what the client sends) is the key; Bearer works as well
     assert http("POST", srv.url + "/v1/messages/count_tokens", {"model": "tiny", "messages": MSGS},
                 headers={"Authorization": f"Bearer {KEY}"})[0] == 200

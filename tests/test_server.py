@@ -483,6 +483,7 @@ def test_api_key(srv1):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         code, body = http("GET", u + "/health", headers=headers)
         assert code == 200 and set(body) == {"status", "model", "active", "queued", "max_batch", "max_queue"}
+    assert http("HEAD", u + "/health")[0] == 200
     code, body = http("GET", u + "/health", headers={"Authorization": f"Bearer {KEY}"})
     assert code == 200 and "read_per_token" in body
     assert http("GET", u + "/v1/models", headers={"x-api-key": KEY})[0] == 200   # Anthropic's header
@@ -682,6 +683,9 @@ def test_logprobs_are_the_log_softmax_of_k3_runs_logits(srv, k3dir, tmp_path):
                                        top_logprobs=3, stream=True))
     assert [e.logprob for x in s if x.choices and x.choices[0].logprobs for e in x.choices[0].logprobs.content] == \
         [e.logprob for e in content]
+    code, body = http("POST", srv.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                           "logprobs": False})
+    assert code == 200 and body["choices"][0]["logprobs"] is None
     # without logprobs: none; top_logprobs alone or out of range: 400
     assert c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1).choices[0].logprobs is None
     for bad_body in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):

@@ -3,7 +3,7 @@
 numba keys each cached function on its own source file only, but k3's kernels compile
 in code from one another (``simd`` and ``tiles`` intrinsics in ``bf16`` and ``mxfp4``,
 ``vml`` in the fused ops): after a ``git pull`` that changed ``bf16.py`` alone,
-the cached ``mxfp4`` and ``fused`` functions would keep the old code. So the kernel
+the cached ``mxfp4`` and ``moe`` functions would keep the old code. So the kernel
 modules are compiled into a folder named by a hash of every kernel source (and of
 ``K3_KERNEL_ISA``, the path a process compiles): any change to any of them starts a
 fresh folder (~8 MB; old ones can be deleted at any time). Each kernel module calls

@@ -236,7 +236,7 @@ def grouped_jobs(M: int, K: int, ws, describe, rows=None) -> tuple[np.ndarray, i
         key = (describe, M, *map(id, ws))
         e = _TABLES.get(key)
         if e is not None:
-            for r, w in zip(e[0], ws):  # (a loop: a generator in all() costs a microsecond)
+            for r, w in zip(e[0], ws):  # (a loop: a generator in all() costs more than the check)
                 if r() is not w:
                     break
             else:

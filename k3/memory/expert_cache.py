@@ -180,8 +180,8 @@ _SLOT_MEMO: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary
 def expert_slot_bytes(layout: ExpertSource) -> int:
     """Bytes of one cache slot: the largest expert's slot span, rounded up to 4096.
 
-    Scans every routed expert of every MoE layer once (header data only; about 10 us an
-    expert, ~1 s for K3's 82,432); the result is remembered per layout object."""
+    Scans every routed expert of every MoE layer once (header data only, for K3's 82,432 about
+    a second); the result is remembered per layout object."""
     try:
         return _SLOT_MEMO[layout]
     except (KeyError, TypeError):

@@ -175,7 +175,7 @@ def activation_bytes(cfg, tokens: int) -> int:
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
     kda = cfg.kda_num_heads * cfg.kda_head_dim
     mla = cfg.mla_num_heads * (cfg.qk_head_dim + cfg.qk_head_dim + cfg.v_head_dim)
-    # grouped experts (k3.model.moe.routed_experts, fused.expert_ffn): per (token, expert)
+    # grouped experts (k3.model.moe.routed_experts, k3.kernels.moe.expert_ffn): per (token, expert)
     # pair its input and its contribution (2 e_in) and, by phase: the gate | up call,
     # gate | up (2 e_mid) and the input split into even / odd halves and (AVX2, few
     # tokens per expert) those permuted (2 e_in); the GLU, in place in gate | up and its

@@ -10,8 +10,8 @@ experts are fetched), and a sequence's KDA recurrence can run in one call after 
 projections (``kda_decode``). Every region does the IEEE operations of the plain forward
 in the same order, so both ways give the same bits (tests/test_fused.py, test_golden.py).
 
-``choose`` decides once, when the model is built: the compiled path, or None (the plain
-forward) under K3_FUSED=0 or where torch's vector math cannot be called from compiled
+The model decides once, when it is built (``why_plain``): the compiled path, or the plain
+forward under K3_FUSED=0 or where torch's vector math cannot be called from compiled
 code (``k3.kernels.vml``: every region needs it). Within the compiled path a region
 still declines a step it does not cover (weights that are not contiguous BF16 matrices,
 an MLA cache past one key tile, experts split by a bounded cache); that stage then runs
@@ -36,21 +36,16 @@ from ..kernels.layer_end import mix_end, plain_end
 from ..kernels.mla_region import MlaShape, MlaWeights, mla_decode_layer
 from ..kernels.moe import moe_decode
 from ..kernels.norms import add_norm
-from .kda import kda_layer, kda_mix, kda_projections, uses_chunks
+from .kda import input_projections, kda_mix, kda_projections, uses_chunks
 from .kda_state import pool_take
-from .mla import K_TILE, mla_layer
+from .mla import K_TILE
 from .moe import dense_mlp, group_format, moe_experts, route, router_projections, situ
 from .ops import attn_res, linear, linears, mix_query, rms_norm
 
 
-def choose(cfg, provider, kda_chunked: bool | None = None, fused: bool | None = None) -> "Compiled | None":
-    """The compiled path for this model, or None for the plain forward. ``fused``: the
-    caller's choice (None: K3_FUSED, on unless "0")."""
-    return Compiled(cfg, provider, kda_chunked) if why_plain(fused) is None else None
-
-
 def why_plain(fused: bool | None = None) -> str | None:
-    """Why the plain forward runs (None: it does not, the regions are on)."""
+    """Why the plain forward runs (None: it does not, the regions are on). ``fused``: the
+    caller's choice (None: K3_FUSED, on unless "0")."""
     if not (env.fused() if fused is None else fused):
         return "K3_FUSED=0" if fused is None else "switched off by the caller"
     if not vml.AVAILABLE:
@@ -58,12 +53,12 @@ def why_plain(fused: bool | None = None) -> str | None:
     return None
 
 
-def describe(cfg, layers: range, fast: "Compiled | None", fused: bool | None = None) -> dict:
+def describe(cfg, layers: range, fast: "Compiled | None", why: str | None) -> dict:
     """What runs where, for --verbose, `k3 doctor` and --out: regions on or off (and
-    why), and which layers have which region."""
+    ``why`` not, ``why_plain``'s answer), and which layers have which region."""
     kinds = {"kda": [i for i in layers if not cfg.is_mla(i)], "mla": [i for i in layers if cfg.is_mla(i)],
              "moe": [i for i in layers if cfg.is_moe(i)]}
-    out = {"regions": fast is not None, "vml": bool(vml.AVAILABLE), "plain_because": why_plain(fused),
+    out = {"regions": fast is not None, "vml": bool(vml.AVAILABLE), "plain_because": why,
            "layers": {k: _ranges(v) for k, v in kinds.items() if v}}
     if fast is not None:
         out["ran"] = dict(sorted(fast.ran.items()))
@@ -122,8 +117,7 @@ class Compiled:
         wts = KdaWeights([w[f"self_attn.{n}_conv1d.weight"] for n in "qkv"], w["self_attn.A_log"],
                          w["self_attn.dt_bias"], w["self_attn.o_norm.weight"])
         if T == 1 and not self.kda_chunked and st.record is None:  # the whole step in one parallel region
-            gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
-            ws = [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
+            ws = input_projections(cfg, w)
             proj = KdaProj(ws, w["self_attn.f_b_proj.weight"],
                            None if cfg.kda_full_rank_gate else w["self_attn.g_b_proj.weight"], w["self_attn.o_proj.weight"])
             step = kda_decode_layer(x, proj, wts, self.kda_consts, [st.conv_q, st.conv_k, st.conv_v], st.S,
@@ -168,13 +162,9 @@ class Compiled:
             self.ran["mla region"] += 1
         return y
 
-    def _mixer_or_plain(self, i, w, xn, st, end):
+    def _mixer_or_plain(self, model, i, w, xn, st, end):
         y = self.mixer(i, w, xn, st, end)
-        if y is not None:
-            return y
-        if self.cfg.is_mla(i):
-            return mla_layer(self.cfg, w, xn, st)
-        return kda_layer(self.cfg, w, xn, st, self.kda_chunked)
+        return model.plain_mixer(i, w, xn, st) if y is None else y
 
     # ------------------------------------------------------------------ one layer, one token
     def decode_layer(self, model, i, w, bank, x, st, obs=None) -> torch.Tensor:
@@ -190,7 +180,7 @@ class Compiled:
         if bank is None:  # Kimi-Linear: pre-norm residual
             h = x
             end = self._route_in(i, w, plain_end(h, post, eps))
-            a = self._mixer_or_plain(i, w, rms_norm(h, ln, eps), st, end)
+            a = self._mixer_or_plain(model, i, w, rms_norm(h, ln, eps), st, end)
             if end is not None and end.done:  # the region did the add and the norm
                 if end.has_out:   # and the whole MoE block
                     return self._ffn(i, w, None, None, obs, end)
@@ -206,7 +196,7 @@ class Compiled:
             P = None
         mix_w = described(w["mlp_res_norm.weight"], mix_query, w["mlp_res_proj.weight"])
         end = self._route_in(i, w, mix_end(bank, P, mix_w, eps, post, eps))
-        a = self._mixer_or_plain(i, w, xn, st, end)
+        a = self._mixer_or_plain(model, i, w, xn, st, end)
         if end is not None and end.done:  # the region made P + a and the mix
             if end.has_out:   # and the whole MoE block
                 return self._ffn(i, w, None, None, obs, end)

@@ -100,14 +100,19 @@ def rollback(st: KDAState, conv: tuple, S0, keep: int) -> None:
         _, st.S = kda_recurrent(r["q"][:keep], r["k"][:keep], r["v"][:keep], r["g"][:keep], r["beta"][:keep], S0)
 
 
+def input_projections(cfg, w) -> list:
+    """The six matrices that read the mixer's input: q, k, v, the decay's first (f_a), b,
+    and the output gate (g_proj, or its low-rank first half g_a_proj)."""
+    gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
+    return [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
+
+
 def kda_projections(cfg, w, x: torch.Tensor) -> tuple:
     """The projections of the normed input x [T, d]: (q_in, k_in, v_in, b, u, z), u the
     decay's raw gate and z the output gate, each [T, ...]; one kernel call for the six
     that read x, one more for the two second projections of the low-rank gates."""
     T = x.shape[0]
-    gate = "self_attn.g_proj.weight" if cfg.kda_full_rank_gate else "self_attn.g_a_proj.weight"
-    ws = [w[f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj")] + [w[gate]]
-    q_in, k_in, v_in, f_a, b, z = linears(x, ws)
+    q_in, k_in, v_in, f_a, b, z = linears(x, input_projections(cfg, w))
     f_b = w["self_attn.f_b_proj.weight"]
     if cfg.kda_full_rank_gate:
         u = linear(f_a, f_b)

@@ -139,7 +139,8 @@ class Model:
         self.n_layers = self.cfg.num_hidden_layers if n_layers is None else n_layers
         self.kda_chunked = kda_chunked
         self.kv_latent = kv_latent  # the MLA KV cache form of the states it makes
-        self.fast = compiled.choose(self.cfg, provider, kda_chunked, fused)   # None: the plain forward
+        self.plain_because = compiled.why_plain(fused)   # the one decision: regions, or the plain forward
+        self.fast = compiled.Compiled(self.cfg, provider, kda_chunked) if self.plain_because is None else None
 
     def new_state(self, capacity: int = 0) -> InferenceState:
         return InferenceState.fresh(self.cfg, self.n_layers, capacity, self.kv_latent)
@@ -149,14 +150,16 @@ class Model:
         only part of a layer that mixes tokens); ``cuts`` are the row boundaries."""
         def one(xs, st):
             y = None if self.fast is None else self.fast.mixer(i, w, xs, st)
-            if y is not None:
-                return y
-            if self.cfg.is_mla(i):
-                return mla_layer(self.cfg, w, xs, st)
-            return kda_layer(self.cfg, w, xs, st, self.kda_chunked)
+            return self.plain_mixer(i, w, xs, st) if y is None else y
         if len(states) == 1:
             return one(x, states[0].layers[i])
         return torch.cat([one(x[a:b], st.layers[i]) for st, a, b in zip(states, cuts, cuts[1:])])
+
+    def plain_mixer(self, i, w, x, st):
+        """Layer i's KDA or MLA mixer on one sequence's rows, the plain forward."""
+        if self.cfg.is_mla(i):
+            return mla_layer(self.cfg, w, x, st)
+        return kda_layer(self.cfg, w, x, st, self.kda_chunked)
 
     def ffn(self, i, w, x, base, obs):
         """base + the layer's FFN of x."""

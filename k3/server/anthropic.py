@@ -18,8 +18,8 @@ from .protocol import ApiError, bad, new_id
 
 #: HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def error_body(status: int, message: str) -> dict:
@@ -49,6 +49,9 @@ def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of messages.", "messages", "invalid_value")
+    if isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+        raise bad("the last message is an assistant turn: continuing a prefilled answer is not supported; end with "
+                  "a user turn.", f"messages[{len(msgs) - 1}]", "unsupported_value")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -164,7 +167,9 @@ def to_chat_body(body: dict, *, count_only: bool = False) -> dict:
         kind = th.get("type") if isinstance(th, dict) else None
         if kind == "disabled":
             out["reasoning_effort"] = "none"
-        elif kind not in ("enabled", "adaptive"):
+        elif kind in ("enabled", "adaptive"):   # on, whatever the server's default (at its effort)
+            out["chat_template_kwargs"] = {"thinking": True}
+        else:
             raise bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}.",
                       "thinking", "invalid_value")
     return out

@@ -132,7 +132,8 @@ class Server:
             scope["k3.authorized"] = self.api_key is None or self._authorized(scope)
             # /health stays open, so a load balancer's probe needs no key (without it the
             # answer says only whether the server is up and how many requests it holds)
-            if not scope["k3.authorized"] and not (scope.get("path") == "/health" and scope.get("method") == "GET"):
+            if not scope["k3.authorized"] and not (scope.get("path") == "/health"
+                                                    and scope.get("method") in ("GET", "HEAD")):
                 e = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
                                   "'x-api-key: KEY').", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 resp = _anthropic_error(e) if scope.get("path", "").startswith("/v1/messages") else error_response(e)
@@ -159,12 +160,17 @@ class Server:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = {404: f"No such endpoint: {request.method} {request.url.path}.",
                405: f"{request.method} is not allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(protocol.error_body(msg, "invalid_request_error", None, code), status_code=exc.status_code)
+        return self._error(request, ApiError(exc.status_code, msg, code=code))
 
     async def _internal_error(self, request, exc: Exception):
         self.log(f"k3 serve: internal error on {request.url.path}: {type(exc).__name__}: {exc}")
-        return JSONResponse(protocol.error_body(f"Internal error ({type(exc).__name__}); this is a bug in k3.",
-                                                "server_error", None, "internal_error"), status_code=500)
+        return self._error(request, ApiError(500, f"Internal error ({type(exc).__name__}); this is a bug in k3.",
+                                             type="server_error", code="internal_error"))
+
+    @staticmethod
+    def _error(request, e: ApiError) -> JSONResponse:
+        """In Anthropic's shape on its API's paths, else OpenAI's."""
+        return _anthropic_error(e) if request.url.path.startswith("/v1/messages") else error_response(e)
 
     # ------------------------------------------------------------ small endpoints
     def _model_card(self) -> dict:
@@ -212,10 +218,12 @@ class Server:
     async def count_tokens(self, request):
         try:
             body = protocol.parse_json_body(await read_body(request, self.max_body))
-            g = protocol.parse_chat(anthropic_api.to_chat_body(body, count_only=True), self.ctx)
+            chat = anthropic_api.to_chat_body(body, count_only=True)
+            protocol.check_model(chat, self.ctx)
+            prompt = protocol.render_chat(chat, self.ctx)[0]
         except ApiError as e:
             return _anthropic_error(e)
-        return JSONResponse({"input_tokens": len(g.prompt)})
+        return JSONResponse({"input_tokens": len(prompt)})
 
     async def _generate(self, request: Request, parse, anthropic: bool = False) -> Response:
         err = _anthropic_error if anthropic else error_response
@@ -256,8 +264,9 @@ class Server:
             return ChatAnswer(g.fmt, self.ctx.tokenizer, g.stops, thinking=g.thinking)
         return CompletionAnswer(self.ctx.tokenizer, g.stop_ids, g.stops)
 
-    def _logprobs(self, g: GenRequest, tokens: list[int], lps: list) -> dict | None:
-        """The logprobs object of ``tokens`` (OpenAI's chat or legacy completions form)."""
+    def _logprobs(self, g: GenRequest, tokens: list[int], lps: list, offset: int = 0) -> dict | None:
+        """The logprobs object of ``tokens`` (OpenAI's chat or legacy completions form;
+        ``offset``: where their text starts in the answer, for text_offset)."""
         if g.logprobs is None:
             return None
         tok = self.ctx.tokenizer
@@ -273,7 +282,7 @@ class Server:
                                 "top_logprobs": [dict(zip(("token", "bytes"), text(a)), logprob=v) for a, v in alts]})
             return {"content": content, "refusal": None}
         strs = [text(t)[0] for t in tokens]
-        offsets, off = [], 0
+        offsets, off = [], offset
         for s in strs:
             offsets.append(off)
             off += len(s)
@@ -414,14 +423,16 @@ class _SSE:
 
         if chat:
             yield chunk({"role": "assistant", "content": ""})
-        n = 0
+        n = text_off = 0
         async for used, pieces, ev in self._fed(ans):
             if isinstance(used, ApiError):
                 yield frame(used.body())
                 return
             n += len(used)
             ids = used if g.return_token_ids else None
-            lp = srv._logprobs(g, used, ev.get("logprobs", [])[:len(used)])   # a token's logprobs come with it
+            lp = srv._logprobs(g, used, ev.get("logprobs", [])[:len(used)], text_off)   # each token's with it
+            if lp is not None and not chat:
+                text_off += sum(len(t) for t in lp["tokens"])
             if chat:
                 d = merged([x for p in pieces for x in p])
                 if d or ids is not None or lp is not None:

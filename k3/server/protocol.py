@@ -391,6 +391,18 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     check_model(body, ctx)
     refuse_unsupported(body)
     stream, include_usage = _stream_opts(body)
+    prompt, fmt, thinking = render_chat(body, ctx)
+    max_tokens = _max_tokens(body, ctx, len(prompt), ("max_completion_tokens", "max_tokens"), None, "messages")
+    sampler, settings = make_sampler(ctx, body)
+    return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
+                      include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
+                      thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
+                      logprobs=_chat_logprobs(body))
+
+
+def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
+    """A chat request's prompt: (its token ids, the chat format its answer is parsed
+    with, whether thinking is on)."""
     messages = normalize_messages(body.get("messages"))
     tools = _check_tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
@@ -421,12 +433,7 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
             prompt = fmt.prompt_ids(messages, add_generation_prompt=True)
     except K3Error as e:
         raise bad(str(e), "messages", "invalid_value") from None
-    max_tokens = _max_tokens(body, ctx, len(prompt), ("max_completion_tokens", "max_tokens"), None, "messages")
-    sampler, settings = make_sampler(ctx, body)
-    return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
-                      include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
-                      thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
-                      logprobs=_chat_logprobs(body))
+    return prompt, fmt, thinking
 
 
 # ====================================================================== /v1/completions
@@ -484,7 +491,8 @@ def parse_completion(body: dict, ctx: ModelContext) -> GenRequest:
                   "unsupported_parameter")
     return GenRequest("completion", prompt, max_tokens, sampler, completion_stop_ids(ctx), stop_strings(body),
                       stream, include_usage, opt_bool(body, "return_token_ids"), settings=settings,
-                      logprobs=opt_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS))
+                      logprobs=None if body.get("logprobs") is False else
+                      opt_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS))
 
 
 # ====================================================================== answers

@@ -126,7 +126,7 @@ def build_models(root: Path) -> dict[str, Path]:
 PROMPT = [5, 17, 99, 200, 42, 7, 100, 12, 64, 3, 250, 77, 31, 8, 50, 2, 9, 60, 11, 13,
           14, 15, 16, 40, 41, 42, 33, 34, 35, 36, 37, 38, 39, 40]
 #: the prefill-in-pieces case reads 102 tokens in passes of 32, 32 and 38 (a piece
-#: must hold whole 16-token KDA chunks and at least 32 tokens: k3.engine.prefill_pieces)
+#: must hold whole 16-token KDA chunks and at least 32 tokens: k3.decode.prefill_pieces)
 LONG_PROMPT = PROMPT * 3
 PREFILL_CHUNK = 32
 #: the one-pass forward (teacher forcing, logits of every position) reads LONG_PROMPT
@@ -380,7 +380,7 @@ def _kernel_isa() -> str:
     """The path this process's kernels compiled for (informational; the module moves
     in the kernels refactor)."""
     import importlib
-    for mod in ("k3.quant.bf16", "k3.kernels.bf16"):
+    for mod in ("k3.quant.bf16", "k3.kernels.cpu"):
         try:
             return importlib.import_module(mod).kernel_isa()
         except (ImportError, AttributeError):
