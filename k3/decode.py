@@ -153,6 +153,7 @@ class Request:
     stop_ids: tuple = ()
     keep_logits: bool = False
     drafter: object = None
+    constraint: object = None  # k3.constrain.Constraint: a grammar its tokens must follow
     emitted: int = 0
     passes: int = 0
     finish: str | None = None  # "stop" or "length" once finished ("cancelled": taken out by Batch.remove)
@@ -225,7 +226,10 @@ class Batch:
 
     def add(self, feed: Sequence[int], *, state: InferenceState | None = None, incremental: bool = True,
             max_tokens: int, sampler=None, stop_ids=(), keep_logits: bool = False, spec: int = 0,
-            spec_corpus=None) -> Request:
+            spec_corpus=None, constraint=None) -> Request:
+        """A sequence joins the batch (read from the next step on). ``constraint``: a
+        grammar its tokens must follow (k3.constrain: the tokens it does not allow are
+        masked before each pick; such a sequence reads no drafts)."""
         feed = list(feed)
         if spec and not incremental:
             raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
@@ -239,11 +243,11 @@ class Batch:
             state = self.engine.new_state()
         seq = (list(state.ids) if state is not None else []) + feed
         drafter = None
-        if spec:
+        if spec and constraint is None:
             from .spec import Drafter
             drafter = Drafter(seq, spec, spec_corpus)
         req = Request(self._next_id, state if incremental else None, incremental, seq, feed if incremental else [],
-                      max_tokens, sampler, tuple(stop_ids), keep_logits, drafter)
+                      max_tokens, sampler, tuple(stop_ids), keep_logits, drafter, constraint=constraint)
         self._next_id += 1
         if max_tokens <= 0:
             req.finish = "length"
@@ -438,6 +442,11 @@ class Batch:
     @staticmethod
     def _pick(r: Request, rows) -> tuple[list[int], int]:
         """The tokens a pass emits, and how many drafts it kept."""
+        if r.constraint is not None:   # (reads no drafts) the best allowed token
+            row = r.constraint.mask(rows[-1])
+            tok = greedy(row) if r.sampler is None else int(r.sampler(row))
+            r.constraint.accept(tok)
+            return [tok], 0
         if not r.drafts:
             return [greedy(rows[-1]) if r.sampler is None else int(r.sampler(rows[-1]))], 0
         if r.sampler is not None:

@@ -207,6 +207,7 @@ class GenRequest:
     return_token_ids: bool
     fmt: Any = None  # chat: the ChatFormat the answer is parsed with
     logprobs: int | None = None  # None: no logprobs; else how many most likely alternatives each token lists
+    constraint: Any = None  # k3.constrain.Constraint the answer's tokens must follow (response_format JSON)
     thinking: bool = False
     settings: Any = None  # the SamplingSettings (None: greedy)
 
@@ -397,7 +398,30 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
                       include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
                       thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
-                      logprobs=_chat_logprobs(body))
+                      logprobs=_chat_logprobs(body), constraint=_constraint(body.get("response_format"), fmt, ctx))
+
+
+def _json_format(response_format) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
+
+
+def _constraint(response_format, fmt, ctx: ModelContext):
+    """The grammar a JSON response format puts on the answer (k3.constrain), or None:
+    json_object any JSON object, json_schema its schema; then the format's end token."""
+    if not _json_format(response_format):
+        return None
+    schema = None
+    if response_format["type"] == "json_schema":
+        js = response_format.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("'response_format.json_schema' must be an object with a 'schema' object.",
+                      "response_format.json_schema", "invalid_value")
+        schema = js.get("schema", {})
+    from ..constrain import json_constraint
+    try:
+        return json_constraint(ctx.tokenizer, schema, fmt.stop_ids, ctx.cfg.vocab_size)
+    except K3Error as e:
+        raise bad(str(e), "response_format", "invalid_value") from None
 
 
 def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
@@ -415,6 +439,8 @@ def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
         raise bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}.",
                   "response_format", "invalid_value")
     thinking, effort = _thinking(body, ctx)
+    if _json_format(response_format):   # the constrained answer is the response channel alone
+        thinking, effort = False, None
     fmt = ctx.chat_format(thinking, effort)
     tok = ctx.tokenizer
     try:

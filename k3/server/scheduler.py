@@ -218,7 +218,7 @@ class Scheduler:
                 cached, state = hit
         try:
             r = batch.add(g.prompt[cached:], state=state, max_tokens=g.max_tokens, sampler=g.sampler,
-                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None)
+                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint)
         except K3Error as e:
             job.ended = True
             job.push({"type": "error", "status": 400, "message": str(e), "code": "invalid_value"})

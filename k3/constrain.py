@@ -1,0 +1,75 @@
+"""Constrained decoding: a grammar the generated tokens must follow.
+
+Before a constrained sequence's token is picked, the tokens that would break the grammar
+are masked (their logits set to -inf), so greedy takes the best allowed token and the
+sampler draws among the allowed ones; the picked token then advances the grammar. Once
+the grammar is complete only the end tokens are allowed. The grammar engine is
+llguidance (the one llama.cpp and vLLM use; it builds its token tables from a tiktoken
+vocabulary directly); it is imported only when a constrained request comes.
+
+The mask never touches the logits a caller sees (``Step.logits``, logprobs): they stay
+the model's.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .errors import UsageError
+
+_LL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Tokenizer -> {(vocab, ends): LLTokenizer}
+_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(tok, vocab: int, ends: tuple):
+    """llguidance's view of ``tok`` (its tables take a while for a large vocabulary: kept
+    per tokenizer), with ``ends`` as the tokens that may end a complete answer."""
+    import llguidance.tiktoken
+    with _LOCK:
+        per = _LL.setdefault(tok, {})
+        key = (vocab, ends)
+        if key not in per:
+            per[key] = llguidance.tiktoken.lltokenizer_from_encoding(tok.enc, n_vocab=vocab, eos_token=list(ends))
+        return per[key]
+
+
+class Constraint:
+    """One sequence's grammar: ``mask(logits)`` the logits with every token the grammar
+    does not allow next at -inf (a copy), ``accept(token)`` after the token is picked."""
+
+    def __init__(self, matcher, vocab: int):
+        import llguidance.torch
+        self.m = matcher
+        self._lt = llguidance.torch
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        out = logits.reshape(1, -1).to(torch.float32, copy=True)
+        self._lt.fill_next_token_bitmask(self.m, self.bitmask, 0)
+        self._lt.apply_token_bitmask_inplace(out, self.bitmask)
+        return out.reshape(logits.shape)
+
+    def accept(self, token: int) -> None:
+        if not self.m.consume_token(int(token)) and not self.m.is_stopped():
+            raise RuntimeError(f"constrained decoding: token {token} was not allowed: {self.m.get_error()}")
+
+
+def json_constraint(tok, schema: dict | None, ends, vocab: int) -> Constraint:
+    """A constraint to JSON text: valid against ``schema`` (None: any JSON object), then
+    one of the tokens ``ends``. UsageError naming the problem for a schema the grammar
+    engine cannot take."""
+    import llguidance
+    if tok is None:
+        raise UsageError("constrained output needs the model's tokenizer (tiktoken.model).")
+    ends = tuple(sorted({int(e) for e in ends}))
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
+        m = llguidance.LLMatcher(_ll_tokenizer(tok, vocab, ends), grammar)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise UsageError(f"the JSON schema cannot be used to constrain the output: {e}") from None
+    if m.is_error():
+        raise UsageError(f"the JSON schema cannot be used to constrain the output: {m.get_error()}")
+    return Constraint(m, vocab)
