@@ -680,6 +680,37 @@ def test_json_schema_answers_always_parse_and_validate(srv):
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, response_format=bad_rf)
 
 
+# ---------------------------------------------------------------- speculative decoding
+def test_spec_gives_the_same_tokens_in_the_batch(srv, k3dir, tmp_path):
+    """`k3 serve --spec 4`: each sequence drafts (here from a corpus holding the greedy
+    answer, so drafts are read and accepted) and the batch verifies every draft in one
+    pass; greedy and seeded sampled answers, several at once, are the tokens the server
+    without --spec gives."""
+    import concurrent.futures
+    prompt = "the cat sat on the mat and the cat"
+
+    def ask(server, seed):
+        kw = {"temperature": 0} if seed is None else {"temperature": 0.8, "seed": seed}
+        return server.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, **kw,
+                                                  extra_body={"return_token_ids": True})
+    seeds = [None, 1, 2, None]
+    want = [ask(srv, x) for x in seeds]
+    corpus = tmp_path / "answer.ids"
+    corpus.write_text(" ".join(map(str, want[0].prompt_token_ids + want[0].choices[0].token_ids)))
+    # every draft read (the pass cost model would withhold those not expected to pay)
+    s = ServerProc(k3dir, "--max-batch", "4", "--max-context", str(MAX_CONTEXT), "--spec", "4", "--spec-corpus",
+                   str(corpus), env={"K3_SPEC_EVERY_DRAFT": "1"})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda x: ask(s, x), seeds))
+        assert [g.choices[0].token_ids for g in got] == [w.choices[0].token_ids for w in want]
+        m = metrics(s)
+        assert m['k3_generations_total{outcome="finished"}'] == len(seeds)
+        assert m['k3_draft_tokens_total{kind="accepted"}'] > 0
+    finally:
+        assert s.stop() == 0, "".join(s.err)
+
+
 # ---------------------------------------------------------------- logprobs
 def test_logprobs_are_the_log_softmax_of_k3_runs_logits(srv, k3dir, tmp_path):
     """Completions' logprobs (and their top alternatives) are torch.log_softmax of the

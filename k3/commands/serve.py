@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 from ..errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
-from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, budgets_from_args, check_model_dir, err,
-                     sampling_from_args)
+from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
+                     check_model_dir, err, sampling_from_args, spec_corpus_from_args)
 
-HELP = "serve the model over an OpenAI-compatible HTTP API (continuous batching)"
-DESCRIPTION = ("Serve MODEL over HTTP: /v1/chat/completions, /v1/completions (streaming or not), /v1/models, "
-               "/health, /metrics. Requests are decoded together, joining and leaving the batch between steps.")
+HELP = "serve the model over OpenAI- and Anthropic-compatible HTTP APIs (continuous batching)"
+DESCRIPTION = ("Serve MODEL over HTTP: /v1/chat/completions, /v1/completions (streaming or not), /v1/messages "
+               "(Anthropic's Messages API), /v1/models, /health, /metrics. Requests are decoded together, joining and "
+               "leaving the batch between steps; --spec drafts tokens per sequence and verifies them in the same pass.")
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_CONTEXT = 4096
@@ -64,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="chat format: K3 XTML or the folder's Jinja chat_template (default: by model)")
     add_model_args(p)
     add_sampling_args(p)
+    add_spec_args(p)
     add_budget_args(p)
 
 
@@ -112,6 +114,8 @@ def run(args) -> int:
     key = _api_key(args)
     budgets = budgets_from_args(args)
     kw = {k: getattr(args, k) for k in ("kv", "prefill_chunk") if getattr(args, k, None) is not None}
+    if args.spec:  # the memory plan holds the drafts of every sequence in the batch
+        kw["spec"] = args.spec
     launch = env.launch()
     if launch is not None and launch[0]:  # a pipeline rank other than 0: rank 0 serves HTTP, this one its layers
         set_threads(args.threads)
@@ -159,6 +163,8 @@ def run(args) -> int:
             raise
         if not args.verbose:
             err(eng.plan.summary())
+        eng.check_spec(args.spec)
+        sched.spec, sched.spec_corpus = args.spec, spec_corpus_from_args(args, eng.tokenizer)
         room = max(0, int(0.95 * eng.plan.available) - eng.plan.total) if eng.plan.available else 1 << 62
         sched.prefix_bytes = min(int(args.prefix_cache_gb * 1e9), room)
         if sched.prefix is not None:

@@ -21,7 +21,8 @@ class Metrics:
         self.c = {k: 0 for k in (
             "prompt_tokens", "prompt_tokens_cached", "prefill_tokens", "completion_tokens", "passes",
             "batch_sequences", "expert_requests", "expert_hits", "expert_bytes_read", "trunk_bytes_read",
-            "table_bytes_read", "trunk_reads", "finished", "cancelled", "failed", "prefix_hits", "prefix_misses")}
+            "table_bytes_read", "trunk_reads", "finished", "cancelled", "failed", "prefix_hits", "prefix_misses",
+            "drafted", "accepted")}
         self.pass_seconds = 0.0
         self.recent: deque = deque(maxlen=WINDOW)  # (seconds, tokens emitted, sequences) per pass
         self.gauges = {"batch_size": 0, "queue_depth": 0, "prefix_entries": 0, "prefix_bytes": 0, "draining": 0,
@@ -81,6 +82,8 @@ class Metrics:
         metric("k3_prefill_tokens_total", "counter", "Prompt tokens read by the model (prompt minus cached).",
                [("", c["prefill_tokens"])])
         metric("k3_completion_tokens_total", "counter", "Tokens generated.", [("", c["completion_tokens"])])
+        metric("k3_draft_tokens_total", "counter", "Speculative decoding (--spec): tokens drafted and read, and those "
+               "accepted.", [('kind="drafted"', c["drafted"]), ('kind="accepted"', c["accepted"])])
         metric("k3_passes_total", "counter", "Forward passes over the weights (one serves the whole batch).",
                [("", c["passes"])])
         metric("k3_pass_seconds_total", "counter", "Wall seconds spent in forward passes.", [("", s["pass_seconds"])])

@@ -74,6 +74,7 @@ class Scheduler:
         self.error: BaseException | None = None
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="k3-engine", daemon=True)
+        self.spec, self.spec_corpus = 0, None   # speculative decoding: drafts per sequence (k3 serve --spec)
         self.served = 0
 
     # ------------------------------------------------------------ the HTTP side
@@ -218,7 +219,8 @@ class Scheduler:
                 cached, state = hit
         try:
             r = batch.add(g.prompt[cached:], state=state, max_tokens=g.max_tokens, sampler=g.sampler,
-                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint)
+                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint,
+                          spec=self.spec, spec_corpus=self.spec_corpus)
         except K3Error as e:
             job.ended = True
             job.push({"type": "error", "status": 400, "message": str(e), "code": "invalid_value"})
@@ -259,6 +261,8 @@ class Scheduler:
             if job is None:
                 continue
             emitted += len(steps)
+            if steps and steps[0].drafted:
+                self.metrics.add(drafted=steps[0].drafted, accepted=steps[0].accepted)
             if steps and steps[0].step == 0:
                 job.prefill = steps[0].fed
                 self.metrics.add(prefill_tokens=steps[0].fed)
