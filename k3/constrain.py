@@ -62,14 +62,26 @@ def json_constraint(tok, schema: dict | None, ends, vocab: int) -> Constraint:
     one of the tokens ``ends``. UsageError naming the problem for a schema the grammar
     engine cannot take."""
     import llguidance
+    return _constraint(tok, lambda: llguidance.LLMatcher.grammar_from_json_schema(
+        schema if schema is not None else {"type": "object"}), ends, vocab, "the JSON schema")
+
+
+def lark_constraint(tok, lark: str, ends, vocab: int, what: str) -> Constraint:
+    """A constraint to a Lark grammar (llguidance's: ``<[id]>`` is one token, ``%json
+    {schema}`` JSON valid against the schema), then one of the tokens ``ends``."""
+    import llguidance
+    return _constraint(tok, lambda: llguidance.LLMatcher.grammar_from_lark(lark), ends, vocab, what)
+
+
+def _constraint(tok, grammar, ends, vocab: int, what: str) -> Constraint:
+    import llguidance
     if tok is None:
         raise UsageError("constrained output needs the model's tokenizer (tiktoken.model).")
     ends = tuple(sorted({int(e) for e in ends}))
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
-        m = llguidance.LLMatcher(_ll_tokenizer(tok, vocab, ends), grammar)
+        m = llguidance.LLMatcher(_ll_tokenizer(tok, vocab, ends), grammar())
     except (ValueError, TypeError, RuntimeError) as e:
-        raise UsageError(f"the JSON schema cannot be used to constrain the output: {e}") from None
+        raise UsageError(f"{what} cannot be used to constrain the output: {e}") from None
     if m.is_error():
-        raise UsageError(f"the JSON schema cannot be used to constrain the output: {m.get_error()}")
+        raise UsageError(f"{what} cannot be used to constrain the output: {m.get_error()}")
     return Constraint(m, vocab)

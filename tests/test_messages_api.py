@@ -99,6 +99,32 @@ def test_tool_use_history_and_count_tokens(srv):
     assert m.stop_reason in ("max_tokens", "end_turn", "tool_use")
 
 
+def test_a_tool_round_trip(srv):
+    """tool_choice naming a tool: a tool_use block whose input validates against its
+    input_schema (stop_reason tool_use); its tool_result sent back gets an answer."""
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 12}}}
+    tools = [{"name": "get_weather", "description": "Weather for a city", "input_schema": schema}]
+    c = client(srv)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    m = c.messages.create(model="tiny", max_tokens=200, messages=msgs, tools=tools,
+                          tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    assert m.stop_reason == "tool_use"
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "get_weather"
+    jsonschema.validate(use[0].input, schema)
+    with c.messages.stream(model="tiny", max_tokens=200, messages=msgs, tools=tools,
+                           tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.input for b in final.content if b.type == "tool_use"] == [use[0].input]
+    back = msgs + [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                 "content": "18 C, sunny"}]}]
+    answer = c.messages.create(model="tiny", max_tokens=6, messages=back, tools=tools, thinking={"type": "disabled"})
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+
+
 def test_errors_have_anthropics_shape(srv):
     c = client(srv)
     with pytest.raises(anthropic.BadRequestError) as e:

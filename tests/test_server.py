@@ -680,6 +680,42 @@ def test_json_schema_answers_always_parse_and_validate(srv):
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, response_format=bad_rf)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                          "parameters": {"type": "object", "additionalProperties": False,
+                                                         "required": ["city", "days"],
+                                                         "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                        "days": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 7}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "JST"]}}}}}]
+
+
+def test_a_forced_tool_call_is_a_valid_call(srv):
+    """tool_choice naming a function: the answer is one call of it whose arguments
+    validate against its parameters (5 seeded, sampled answers); required: a call of one
+    of the tools, its arguments valid."""
+    import jsonschema
+    c = srv.client()
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(5):
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=200, temperature=0.9,
+                                      seed=seed, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+        call = ch.message.tool_calls[0].function
+        assert call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), schemas["get_time"])
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=200, temperature=0,
+                                  tool_choice="required")
+    call = r.choices[0].message.tool_calls[0].function
+    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    with pytest.raises(openai.BadRequestError):   # a name that is not one of the tools
+        c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4,
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
 # ---------------------------------------------------------------- speculative decoding
 def test_spec_gives_the_same_tokens_in_the_batch(srv, k3dir, tmp_path):
     """`k3 serve --spec 4`: each sequence drafts (here from a corpus holding the greedy

@@ -133,8 +133,9 @@ def _tool_choice(body: dict):
     if kind == "any":
         return "required"
     if kind == "tool":
-        raise bad("'tool_choice' naming one tool is not supported yet; use auto or any.", "tool_choice",
-                  "unsupported_value")
+        if not isinstance(tc.get("name"), str):
+            raise bad("'tool_choice' of type tool needs the tool's 'name'.", "tool_choice", "invalid_value")
+        return {"type": "function", "function": {"name": tc["name"]}}
     raise bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}.", "tool_choice",
               "invalid_value")
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..chat_format import CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, render_k3
+from ..chat_format import CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, render_k3, tool_call_grammar
 from ..errors import K3Error
 from ..tokenizer import StreamDecoder, Tokenizer
 
@@ -398,16 +398,47 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
                       include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
                       thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
-                      logprobs=_chat_logprobs(body), constraint=_constraint(body.get("response_format"), fmt, ctx))
+                      logprobs=_chat_logprobs(body), constraint=_constraint(body, fmt, ctx))
 
 
 def _json_format(response_format) -> bool:
     return isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
 
 
-def _constraint(response_format, fmt, ctx: ModelContext):
-    """The grammar a JSON response format puts on the answer (k3.constrain), or None:
-    json_object any JSON object, json_schema its schema; then the format's end token."""
+def _named_tool(tool_choice: dict, tools) -> str:
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad("'tool_choice' naming a function must be {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                  "tool_choice", "invalid_value")
+    if not any(t["function"]["name"] == name for t in tools or []):
+        raise bad(f"'tool_choice' names {name!r}, which is not one of the request's tools.", "tool_choice",
+                  "invalid_value")
+    return name
+
+
+def _constraint(body: dict, fmt, ctx: ModelContext):
+    """The grammar the request puts on the answer (k3.constrain), or None: tool_choice
+    naming a function (or required) one call of it (of one of the tools) with arguments
+    valid against its parameters; a JSON response_format JSON text (json_object any
+    object, json_schema its schema); then the format's end token."""
+    from ..constrain import json_constraint, lark_constraint
+    tools, tool_choice, response_format = body.get("tools"), body.get("tool_choice"), body.get("response_format")
+    if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        if _json_format(response_format):
+            raise bad("give 'response_format' or a 'tool_choice' that forces a call, not both.", "response_format",
+                      "invalid_value")
+        if not isinstance(fmt, K3Format):
+            raise bad("a forced tool call is constrained in K3's chat format only.", "tool_choice",
+                      "unsupported_value")
+        name = _named_tool(tool_choice, tools) if isinstance(tool_choice, dict) else None
+        chosen = [(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools
+                  if name is None or t["function"]["name"] == name]
+        try:
+            return lark_constraint(ctx.tokenizer, tool_call_grammar(ctx.tokenizer, chosen), fmt.stop_ids,
+                                   ctx.cfg.vocab_size, "a tool's parameters schema")
+        except K3Error as e:
+            raise bad(str(e), "tools", "invalid_value") from None
     if not _json_format(response_format):
         return None
     schema = None
@@ -417,7 +448,6 @@ def _constraint(response_format, fmt, ctx: ModelContext):
             raise bad("'response_format.json_schema' must be an object with a 'schema' object.",
                       "response_format.json_schema", "invalid_value")
         schema = js.get("schema", {})
-    from ..constrain import json_constraint
     try:
         return json_constraint(ctx.tokenizer, schema, fmt.stop_ids, ctx.cfg.vocab_size)
     except K3Error as e:
@@ -430,17 +460,20 @@ def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
     messages = normalize_messages(body.get("messages"))
     tools = _check_tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("auto", "none", "required"):
-        raise bad("'tool_choice' must be auto, none or required (naming one function is not supported).",
-                  "tool_choice", "unsupported_value")
+    if isinstance(tool_choice, dict):   # one function by name: the answer is a call of it (constrained)
+        _named_tool(tool_choice, tools)
+        tool_choice = "required"
+    elif tool_choice is not None and tool_choice not in ("auto", "none", "required"):
+        raise bad("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
+                  "{\"name\": ...}}.", "tool_choice", "invalid_value")
     response_format = body.get("response_format")
     if response_format is not None and not (isinstance(response_format, dict)
                                             and response_format.get("type") in ("text", "json_object", "json_schema")):
         raise bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}.",
                   "response_format", "invalid_value")
     thinking, effort = _thinking(body, ctx)
-    if _json_format(response_format):   # the constrained answer is the response channel alone
-        thinking, effort = False, None
+    if _json_format(response_format) or (tools and tool_choice == "required"):
+        thinking, effort = False, None   # a constrained answer starts at once (no think channel)
     fmt = ctx.chat_format(thinking, effort)
     tok = ctx.tokenizer
     try:
