@@ -28,6 +28,13 @@ reps is printed at the end.
     python benchmarks/bench_server.py --model /work/rd4 --trunk /work/rd4-trunk --ceiling-gb 8 \\
         --clients 1,4,16 --reps 3 --max-tokens 32
 
+``--constrained`` runs every client count twice, free and with the answer constrained
+to JSON (``response_format`` json_schema: an object holding one long string, so both
+kinds run to ``max_tokens``), the kinds alternating: the per-token cost of the mask is
+the difference of their inter-token latencies.
+
+    python benchmarks/bench_server.py --synth small --clients 1,8 --constrained --reps 3
+
 (benchmarks/results/server.tsv holds the older 1-vs-8-client rows, non-streamed, without TTFT.)
 """
 
@@ -226,13 +233,22 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def arm(srv: Serve, name: str, clients: int, rep: int, a, vocab: int, avoid: set[int]) -> dict:
+#: the constrained arms' JSON: one string long enough that the answer runs to max_tokens
+LONG_JSON = {"type": "json_schema", "json_schema": {"name": "text", "schema": {
+    "type": "object", "required": ["text"], "additionalProperties": False,
+    "properties": {"text": {"type": "string", "minLength": 4000}}}}}
+
+
+def arm(srv: Serve, name: str, clients: int, rep: int, a, vocab: int, avoid: set[int],
+        constrained: bool = False) -> dict:
     res: list = [None] * clients
     go = threading.Barrier(clients + 1)
 
     def one(i):
         body = {"model": name, "prompt": prompt_ids(a.prompt_tokens, vocab, avoid, 7919 * rep + i),
                 "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": 1000 * rep + i}
+        if constrained:
+            body["response_format"] = LONG_JSON
         go.wait()
         try:
             res[i] = stream_completion(srv.url, body, a.timeout)
@@ -298,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="request temperature (default 0: greedy, deterministic answers); seeds are sent anyway")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--constrained", action="store_true",
+                    help="each client count also with the answers constrained to JSON (the mask's per-token cost)")
     ap.add_argument("--timeout", type=float, default=3600, help="per-request timeout in seconds (default 3600)")
     ap.add_argument("--tsv", default=str(RESULTS / "server-ttft.tsv"), help="rows go here (appended)")
     a = ap.parse_args(argv)
@@ -344,7 +362,8 @@ def main(argv=None) -> int:
     srv = Serve(model, flags, ceiling_gb=a.ceiling_gb, log_path=log_path)
     print(f"listening on {srv.url} after {time.perf_counter() - t_load:.1f} s", file=sys.stderr, flush=True)
     tsv = Tsv(Path(a.tsv), COLS)
-    rows: dict[int, list[dict]] = {c: [] for c in arms}
+    kinds = [(c, k) for c in arms for k in ((False, True) if a.constrained else (False,))]
+    rows: dict[tuple, list[dict]] = {ck: [] for ck in kinds}
     answers: dict[int, list] = {}
     cg_final = (None, None)
     try:
@@ -353,19 +372,21 @@ def main(argv=None) -> int:
         if w["errors"]:
             raise SystemExit(f"the warm-up failed ({w['errors']} of {w['requests']} requests):\n{srv.log_tail()}")
         for rep in range(1, a.reps + 1):
-            for c in (arms if rep % 2 else arms[::-1]):
-                r = arm(srv, name, c, rep, a, vocab, avoid)
+            for c, k in (kinds if rep % 2 else kinds[::-1]):
+                r = arm(srv, name, c, rep, a, vocab, avoid, k)
                 cg_max, failcnt = srv.cgroup()
                 ids = r.pop("ids")
-                if rep == 1:
+                if rep == 1 and not k:
                     answers[c] = ids
-                rows[c].append(r)
-                tsv.add(arm=f"{c}-clients", rep=rep, prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens,
+                rows[(c, k)].append(r)
+                tsv.add(arm=f"{c}-clients" + ("-json" if k else ""), rep=rep, prompt_tokens=a.prompt_tokens,
+                        max_tokens=a.max_tokens,
                         max_batch=max_batch, max_context=max_context, ceiling_gb=a.ceiling_gb or "",
                         cg_max_gb=cg_max if cg_max is not None else "", cg_failcnt=failcnt if failcnt is not None
                         else "", serve_flags=serve_flags, load1=loadavg(), cpu=os.cpu_count(), model=name,
                         flags=cpu, **r)
-                print(f"rep {rep}: {c:>2} client(s): {r['tokens']} tokens in {r['seconds']:.2f} s = "
+                print(f"rep {rep}: {c:>2} client(s){' JSON' if k else ''}: {r['tokens']} tokens in "
+                      f"{r['seconds']:.2f} s = "
                       f"{r['tok_s']:.2f} tok/s, {r['req_s']:.3f} req/s, TTFT mean {r['ttft_mean_s']:.2f} s "
                       f"(max {r['ttft_max_s']:.2f}), latency {r['mean_latency_s']:.2f} s, mean batch "
                       f"{r['mean_batch']:.1f}" + (f", {r['errors']} FAILED" if r["errors"] else "")
@@ -379,23 +400,26 @@ def main(argv=None) -> int:
         if tmp is not None:
             tmp.cleanup()
     out = []
-    for c in arms:
-        rs = rows[c]
+    for c, k in kinds:
+        rs = rows[(c, k)]
         if not rs:
             continue
         tm, tsd, tsp = mean_sd_spread([r["tok_s"] for r in rs])
         fm, fsd, fsp = mean_sd_spread([r["ttft_mean_s"] for r in rs])
         qm, qsd, _ = mean_sd_spread([r["req_s"] for r in rs])
         lm, lsd, _ = mean_sd_spread([r["mean_latency_s"] for r in rs])
-        out.append([c, f"{tm:.2f} ± {tsd:.2f}", f"{100 * tsp:.0f}%", " / ".join(f"{r['tok_s']:.2f}" for r in rs),
+        im, isd, _ = mean_sd_spread([r["itl_mean_s"] * 1e3 for r in rs])
+        out.append([f"{c}" + (" JSON" if k else ""), f"{tm:.2f} ± {tsd:.2f}", f"{100 * tsp:.0f}%",
+                    " / ".join(f"{r['tok_s']:.2f}" for r in rs),
                     f"{fm:.2f} ± {fsd:.2f}", f"{100 * fsp:.0f}%", f"{qm:.3f} ± {qsd:.3f}", f"{lm:.2f} ± {lsd:.2f}",
-                    f"{sum(r['mean_batch'] for r in rs) / len(rs):.1f}", sum(r["errors"] for r in rs)])
+                    f"{im:.2f} ± {isd:.2f}", f"{sum(r['mean_batch'] for r in rs) / len(rs):.1f}",
+                    sum(r["errors"] for r in rs)])
     print(f"\n{name}, k3 serve {serve_flags}; {a.prompt_tokens}-token prompts, {a.max_tokens} tokens per request, "
-          f"temperature {a.temperature:g}; {len(rows[arms[0]])} rep(s); {cpu}; {os.cpu_count()} CPUs"
+          f"temperature {a.temperature:g}; {len(rows[kinds[0]])} rep(s); {cpu}; {os.cpu_count()} CPUs"
           + (f"; cgroup ceiling {a.ceiling_gb:g} GiB: peak {cg_final[0]:.2f} GB, failcnt {cg_final[1]}"
              if a.ceiling_gb and cg_final[0] is not None else ""))
     print(table(out, ["clients", "aggregate tok/s", "spread", "reps", "mean TTFT s", "spread", "req/s",
-                      "mean latency s", "mean batch", "errors"]))
+                      "mean latency s", "inter-token ms", "mean batch", "errors"]))
     firsts = [answers[c][0] for c in arms if c in answers and answers[c][0] is not None]
     if a.temperature == 0 and len(firsts) > 1:
         # greedy: client 0 sends the same prompt in every arm of rep 1; batching must not change its answer

@@ -36,6 +36,12 @@ def _ll_tokenizer(tok, vocab: int, ends: tuple):
         return per[key]
 
 
+def prepare(tok, vocab: int, ends) -> None:
+    """Build the grammar engine's tables for ``tok`` with the end tokens ``ends`` now
+    (a server at start: the first constrained request then does not wait for them)."""
+    _ll_tokenizer(tok, vocab, tuple(sorted({int(e) for e in ends})))
+
+
 class Constraint:
     """One sequence's grammar: ``mask(logits)`` the logits with every token the grammar
     does not allow next at -inf (a copy), ``accept(token)`` after the token is picked."""

@@ -106,7 +106,7 @@ def run(args) -> int:
     from ..loader import load
     from ..server.app import Server, bind, is_loopback, make_server
     from ..server.metrics import Metrics
-    from ..server.protocol import ModelContext, ServeDefaults
+    from ..server.protocol import ModelContext, ServeDefaults, prepare_constraints
     from ..server.scheduler import Scheduler
     from ..units import human
 
@@ -170,6 +170,7 @@ def run(args) -> int:
         if sched.prefix is not None:
             sched.prefix.max_bytes = sched.prefix_bytes
         ctx = ModelContext(name, args.model, eng.cfg, eng.tokenizer, eng.max_context, defaults, chat_kind=args.format)
+        prepare_constraints(ctx)   # the grammar engine's tables now, not on the first constrained request
         if eng.tokenizer is None:
             err(f"note: {args.model} has no usable tokenizer ({eng.tokenizer_error or 'no tiktoken.model'}): only "
                 "/v1/completions with token ids will work.")

@@ -422,7 +422,7 @@ def _constraint(body: dict, fmt, ctx: ModelContext):
     naming a function (or required) one call of it (of one of the tools) with arguments
     valid against its parameters; a JSON response_format JSON text (json_object any
     object, json_schema its schema); then the format's end token."""
-    from ..constrain import json_constraint, lark_constraint
+    from ..constrain import lark_constraint
     tools, tool_choice, response_format = body.get("tools"), body.get("tool_choice"), body.get("response_format")
     if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
         if _json_format(response_format):
@@ -441,6 +441,12 @@ def _constraint(body: dict, fmt, ctx: ModelContext):
             raise bad(str(e), "tools", "invalid_value") from None
     if not _json_format(response_format):
         return None
+    return _json_constraint(response_format, fmt.stop_ids, ctx)
+
+
+def _json_constraint(response_format: dict, ends, ctx: ModelContext):
+    """The JSON grammar of a json_object / json_schema response format, then ``ends``."""
+    from ..constrain import json_constraint
     schema = None
     if response_format["type"] == "json_schema":
         js = response_format.get("json_schema")
@@ -449,7 +455,7 @@ def _constraint(body: dict, fmt, ctx: ModelContext):
                       "response_format.json_schema", "invalid_value")
         schema = js.get("schema", {})
     try:
-        return json_constraint(ctx.tokenizer, schema, fmt.stop_ids, ctx.cfg.vocab_size)
+        return json_constraint(ctx.tokenizer, schema, ends, ctx.cfg.vocab_size)
     except K3Error as e:
         raise bad(str(e), "response_format", "invalid_value") from None
 
@@ -496,6 +502,23 @@ def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
 
 
 # ====================================================================== /v1/completions
+def prepare_constraints(ctx: ModelContext) -> None:
+    """The grammar engine's vocabulary tables for the answers' end tokens (chat, raw
+    completions), built before the server listens: they take seconds for a large
+    vocabulary, which the first constrained request would otherwise wait for (blocking
+    the others)."""
+    from ..constrain import prepare
+    if ctx.tokenizer is None:
+        return
+    ends = [completion_stop_ids(ctx)]
+    try:
+        ends.append(ctx.chat_format(False, None).stop_ids)
+    except ApiError:   # no chat format: completions only
+        pass
+    for e in ends:
+        prepare(ctx.tokenizer, ctx.cfg.vocab_size, e)
+
+
 def completion_stop_ids(ctx: ModelContext) -> frozenset:
     """A raw completion ends at the end-of-text token (the tokenizer's eos_token and the
     config's eos_token_id)."""
@@ -548,8 +571,16 @@ def parse_completion(body: dict, ctx: ModelContext) -> GenRequest:
     if body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' is a chat parameter; a completion takes 'logprobs': N (0..20).", "top_logprobs",
                   "unsupported_parameter")
+    rf = body.get("response_format")   # (an extension, as vLLM's: the raw text constrained to JSON)
+    constraint = None
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
+        if not _json_format(rf):
+            raise bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}.",
+                      "response_format", "invalid_value")
+        constraint = _json_constraint(rf, completion_stop_ids(ctx), ctx)
     return GenRequest("completion", prompt, max_tokens, sampler, completion_stop_ids(ctx), stop_strings(body),
                       stream, include_usage, opt_bool(body, "return_token_ids"), settings=settings,
+                      constraint=constraint,
                       logprobs=None if body.get("logprobs") is False else
                       opt_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS))
 
