@@ -37,9 +37,11 @@ def _ll_tokenizer(tok, vocab: int, ends: tuple):
 
 
 def prepare(tok, vocab: int, ends) -> None:
-    """Build the grammar engine's tables for ``tok`` with the end tokens ``ends`` now
-    (a server at start: the first constrained request then does not wait for them)."""
-    _ll_tokenizer(tok, vocab, tuple(sorted({int(e) for e in ends})))
+    """Build the grammar engine's tables for ``tok`` with the end tokens ``ends`` now,
+    and the token-class masks its first grammar builds lazily (a server at start: the
+    first constrained request then does not wait for them)."""
+    json_constraint(tok, {"type": "object", "properties": {"a": {"type": "string"}}}, ends, vocab).mask(
+        torch.zeros(vocab))
 
 
 class Constraint:
