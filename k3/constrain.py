@@ -64,6 +64,23 @@ class Constraint:
         if not self.m.consume_token(int(token)) and not self.m.is_stopped():
             raise RuntimeError(f"constrained decoding: token {token} was not allowed: {self.m.get_error()}")
 
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens`` (drafts) the grammar allows in a row from here."""
+        return int(self.m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def masked_rows(self, rows, drafts) -> list:
+        """``rows`` (the logits of the last token and of each draft) each masked for the
+        grammar as it stands once the drafts before it are taken (the drafts must be a
+        valid prefix, ``valid_prefix``); the grammar is left where it was."""
+        out = []
+        for k, d in enumerate(drafts):
+            out.append(self.mask(rows[k]))
+            self.m.consume_token(int(d))
+        out.append(self.mask(rows[len(drafts)]))
+        if drafts:
+            self.m.rollback(len(drafts))
+        return out
+
 
 def json_constraint(tok, schema: dict | None, ends, vocab: int) -> Constraint:
     """A constraint to JSON text: valid against ``schema`` (None: any JSON object), then

@@ -229,7 +229,7 @@ class Batch:
             spec_corpus=None, constraint=None) -> Request:
         """A sequence joins the batch (read from the next step on). ``constraint``: a
         grammar its tokens must follow (k3.constrain: the tokens it does not allow are
-        masked before each pick; such a sequence reads no drafts)."""
+        masked before each pick, drafts included: a draft the grammar rejects is not read)."""
         feed = list(feed)
         if spec and not incremental:
             raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
@@ -243,7 +243,7 @@ class Batch:
             state = self.engine.new_state()
         seq = (list(state.ids) if state is not None else []) + feed
         drafter = None
-        if spec and constraint is None:
+        if spec:
             from .spec import Drafter
             drafter = Drafter(seq, spec, spec_corpus)
         req = Request(self._next_id, state if incremental else None, incremental, seq, feed if incremental else [],
@@ -401,6 +401,8 @@ class Batch:
             r.drafts, r.withheld = [], 0
             if r.drafter is not None and r.emitted and len(piece) == len(r.reading) == 1:
                 r.drafts = r.drafter.propose(r.max_tokens - r.emitted - 1)
+                if r.constraint is not None:   # a draft the grammar rejects cannot be kept: not read
+                    r.drafts = r.drafts[:r.constraint.valid_prefix(r.drafts)]
         self._weigh_drafts(active, pieces)
 
     def _weigh_drafts(self, active: list[Request], pieces: list[list]) -> None:
@@ -442,11 +444,16 @@ class Batch:
     @staticmethod
     def _pick(r: Request, rows) -> tuple[list[int], int]:
         """The tokens a pass emits, and how many drafts it kept."""
-        if r.constraint is not None:   # (reads no drafts) the best allowed token
-            row = r.constraint.mask(rows[-1])
-            tok = greedy(row) if r.sampler is None else int(r.sampler(row))
-            r.constraint.accept(tok)
-            return [tok], 0
+        if r.constraint is not None:   # every row masked for the grammar where its token stands
+            rows = r.constraint.masked_rows(rows, r.drafts)
+        toks, kept = Batch._verify(r, rows)
+        if r.constraint is not None:
+            for t in toks:
+                r.constraint.accept(t)
+        return toks, kept
+
+    @staticmethod
+    def _verify(r: Request, rows) -> tuple[list[int], int]:
         if not r.drafts:
             return [greedy(rows[-1]) if r.sampler is None else int(r.sampler(rows[-1]))], 0
         if r.sampler is not None:

@@ -719,29 +719,41 @@ def test_a_forced_tool_call_is_a_valid_call(srv):
 # ---------------------------------------------------------------- speculative decoding
 def test_spec_gives_the_same_tokens_in_the_batch(srv, k3dir, tmp_path):
     """`k3 serve --spec 4`: each sequence drafts (here from a corpus holding the greedy
-    answer, so drafts are read and accepted) and the batch verifies every draft in one
-    pass; greedy and seeded sampled answers, several at once, are the tokens the server
-    without --spec gives."""
+    answers, so drafts are read and accepted) and the batch verifies every draft in one
+    pass. Greedy answers, free and constrained to JSON (drafts the grammar rejects are not
+    read), several at once, are the tokens the server without --spec gives; sampled ones
+    keep plain sampling's distribution (not its random stream), and a constrained one
+    still validates."""
+    import jsonschema
     import concurrent.futures
     prompt = "the cat sat on the mat and the cat"
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
 
-    def ask(server, seed):
+    def ask(server, case):
+        seed, constrained = case
         kw = {"temperature": 0} if seed is None else {"temperature": 0.8, "seed": seed}
-        return server.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, **kw,
-                                                  extra_body={"return_token_ids": True})
-    seeds = [None, 1, 2, None]
-    want = [ask(srv, x) for x in seeds]
-    corpus = tmp_path / "answer.ids"
-    corpus.write_text(" ".join(map(str, want[0].prompt_token_ids + want[0].choices[0].token_ids)))
+        extra = {"return_token_ids": True}
+        if constrained:
+            extra["response_format"] = rf
+        return server.client().completions.create(model="tiny", prompt=prompt, max_tokens=200 if constrained else 40,
+                                                  **kw, extra_body=extra)
+    cases = [(None, False), (1, False), (None, True), (2, True)]
+    want = [ask(srv, x) for x in cases]
+    corpus = tmp_path / "answers.ids"   # the greedy answers: drafts that are right
+    corpus.write_text(" ".join(str(t) for w in (want[0], want[2])
+                               for t in w.prompt_token_ids + w.choices[0].token_ids))
     # every draft read (the pass cost model would withhold those not expected to pay)
     s = ServerProc(k3dir, "--max-batch", "4", "--max-context", str(MAX_CONTEXT), "--spec", "4", "--spec-corpus",
                    str(corpus), env={"K3_SPEC_EVERY_DRAFT": "1"})
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            got = list(ex.map(lambda x: ask(s, x), seeds))
-        assert [g.choices[0].token_ids for g in got] == [w.choices[0].token_ids for w in want]
+            got = list(ex.map(lambda x: ask(s, x), cases))
+        greedy = [i for i, (seed, _) in enumerate(cases) if seed is None]
+        assert [got[i].choices[0].token_ids for i in greedy] == [want[i].choices[0].token_ids for i in greedy]
+        for i in (2, 3):
+            jsonschema.validate(json.loads(got[i].choices[0].text), SCHEMA)
         m = metrics(s)
-        assert m['k3_generations_total{outcome="finished"}'] == len(seeds)
+        assert m['k3_generations_total{outcome="finished"}'] == len(cases)
         assert m['k3_draft_tokens_total{kind="accepted"}'] > 0
     finally:
         assert s.stop() == 0, "".join(s.err)
