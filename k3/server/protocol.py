@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..chat_format import CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, render_k3, tool_call_grammar
+from ..chat_format import (CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, json_answer_grammar, render_k3,
+                           tool_call_grammar)
 from ..errors import K3Error
 from ..tokenizer import StreamDecoder, Tokenizer
 
@@ -441,19 +442,30 @@ def _constraint(body: dict, fmt, ctx: ModelContext):
             raise bad(str(e), "tools", "invalid_value") from None
     if not _json_format(response_format):
         return None
+    if isinstance(fmt, K3Format):   # the response channel and the message closed as K3 writes them
+        try:
+            return lark_constraint(ctx.tokenizer, json_answer_grammar(ctx.tokenizer, _schema(response_format)),
+                                   fmt.stop_ids, ctx.cfg.vocab_size, "the JSON schema")
+        except K3Error as e:
+            raise bad(str(e), "response_format", "invalid_value") from None
     return _json_constraint(response_format, fmt.stop_ids, ctx)
+
+
+def _schema(response_format: dict) -> dict | None:
+    """The schema of a json_schema response format (None for json_object: any object)."""
+    if response_format["type"] != "json_schema":
+        return None
+    js = response_format.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        raise bad("'response_format.json_schema' must be an object with a 'schema' object.",
+                  "response_format.json_schema", "invalid_value")
+    return js.get("schema", {})
 
 
 def _json_constraint(response_format: dict, ends, ctx: ModelContext):
     """The JSON grammar of a json_object / json_schema response format, then ``ends``."""
     from ..constrain import json_constraint
-    schema = None
-    if response_format["type"] == "json_schema":
-        js = response_format.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise bad("'response_format.json_schema' must be an object with a 'schema' object.",
-                      "response_format.json_schema", "invalid_value")
-        schema = js.get("schema", {})
+    schema = _schema(response_format)
     try:
         return json_constraint(ctx.tokenizer, schema, ends, ctx.cfg.vocab_size)
     except K3Error as e:
