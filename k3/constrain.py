@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+import numpy as np
 import torch
 
 from .errors import UsageError
@@ -46,19 +47,26 @@ def prepare(tok, vocab: int, ends) -> None:
 
 class Constraint:
     """One sequence's grammar: ``mask(logits)`` the logits with every token the grammar
-    does not allow next at -inf (a copy), ``accept(token)`` after the token is picked."""
+    does not allow next at -inf (a copy, kept until the next one), ``accept(token)``
+    after the token is picked."""
 
     def __init__(self, matcher, vocab: int):
         import llguidance.torch
         self.m = matcher
         self._lt = llguidance.torch
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+        self._out: list = []   # the masked copies' buffers, one per row of a pass (masked_rows)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        out = logits.reshape(1, -1).to(torch.float32, copy=True)
+    def mask(self, logits: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """(``slot``: which of the sequence's buffers the copy goes to; a copy stays
+        valid until the next one into the same slot.)"""
+        from .kernels.bitmask import masked_copy
+        while slot >= len(self._out):
+            self._out.append(np.empty(0, dtype=np.float32))
+        if self._out[slot].shape[0] != logits.numel():
+            self._out[slot] = np.empty(logits.numel(), dtype=np.float32)
         self._lt.fill_next_token_bitmask(self.m, self.bitmask, 0)
-        self._lt.apply_token_bitmask_inplace(out, self.bitmask)
-        return out.reshape(logits.shape)
+        return masked_copy(logits, self.bitmask, self._out[slot])
 
     def accept(self, token: int) -> None:
         if not self.m.consume_token(int(token)) and not self.m.is_stopped():
@@ -74,9 +82,9 @@ class Constraint:
         valid prefix, ``valid_prefix``); the grammar is left where it was."""
         out = []
         for k, d in enumerate(drafts):
-            out.append(self.mask(rows[k]))
+            out.append(self.mask(rows[k], k))
             self.m.consume_token(int(d))
-        out.append(self.mask(rows[len(drafts)]))
+        out.append(self.mask(rows[len(drafts)], len(drafts)))
         if drafts:
             self.m.rollback(len(drafts))
         return out
