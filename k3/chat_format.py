@@ -171,31 +171,6 @@ def _tool_call(name: str, args: Any, block: str | None, index: int) -> list[Segm
     return segs
 
 
-def tool_call_grammar(tok, tools: Sequence[tuple[str, Any]]) -> str:
-    """The Lark grammar (llguidance's) of an answer that is one call of one of ``tools``
-    ([(name, JSON schema of its arguments)]), written as K3 writes a call after an empty
-    response channel opened by the generation prompt (thinking off): the arguments as one
-    ``json`` block valid against the tool's schema, then the message closed as the
-    rendered history closes it (the end token follows)."""
-    o, c, s = (f"<[{tok.token_id(n)}]>" for n in (OPEN, CLOSE, SEP))
-    calls = " | ".join(f"call{i}" for i in range(len(tools)))
-    lines = [f'start: {c} "response" {s} {o} "tools" {s} ({calls}) {c} "tools" {s} {c} "message" {s}']
-    for i, (name, schema) in enumerate(tools):
-        head = json.dumps(f'call tool="{_escape(name)}" index="1"')
-        lines.append(f'call{i}: {o} {head} {s} {o} "json type=\\"object\\"" {s} args{i} {c} "json" {s} {c} "call" {s}')
-        lines.append(f"args{i}: %json {json.dumps(schema if isinstance(schema, dict) else {'type': 'object'})}")
-    return "\n".join(lines) + "\n"
-
-
-def json_answer_grammar(tok, schema: Any) -> str:
-    """The Lark grammar of an answer whose response channel (opened by the generation
-    prompt, thinking off) is JSON valid against ``schema`` (None: any object), then closed
-    with the message as the rendered history closes them (the end token follows)."""
-    c, s = (f"<[{tok.token_id(n)}]>" for n in (CLOSE, SEP))
-    return (f'start: answer {c} "response" {s} {c} "message" {s}\n'
-            f"answer: %json {json.dumps(schema if isinstance(schema, dict) else {'type': 'object'})}\n")
-
-
 def _assistant_body(m: dict, thinking: bool, where: str) -> list[Segment]:
     segs: list[Segment] = []
     if thinking:

@@ -154,6 +154,7 @@ class Request:
     keep_logits: bool = False
     drafter: object = None
     constraint: object = None  # k3.constrain.Constraint: a grammar its tokens must follow
+    bias: tuple | None = None  # (token ids, values) added to its logits before each pick
     emitted: int = 0
     passes: int = 0
     finish: str | None = None  # "stop" or "length" once finished ("cancelled": taken out by Batch.remove)
@@ -226,10 +227,12 @@ class Batch:
 
     def add(self, feed: Sequence[int], *, state: InferenceState | None = None, incremental: bool = True,
             max_tokens: int, sampler=None, stop_ids=(), keep_logits: bool = False, spec: int = 0,
-            spec_corpus=None, constraint=None) -> Request:
+            spec_corpus=None, constraint=None, bias=None) -> Request:
         """A sequence joins the batch (read from the next step on). ``constraint``: a
         grammar its tokens must follow (k3.constrain: the tokens it does not allow are
-        masked before each pick, drafts included: a draft the grammar rejects is not read)."""
+        masked before each pick, drafts included: a draft the grammar rejects is not read).
+        ``bias``: (token ids, values) added to its logits before each pick (and before the
+        grammar's mask), greedy or sampled, drafts verified against the biased logits."""
         feed = list(feed)
         if spec and not incremental:
             raise UsageError("--spec drafts tokens and rolls the carried state back to the ones kept: it needs "
@@ -247,7 +250,7 @@ class Batch:
             from .spec import Drafter
             drafter = Drafter(seq, spec, spec_corpus)
         req = Request(self._next_id, state if incremental else None, incremental, seq, feed if incremental else [],
-                      max_tokens, sampler, tuple(stop_ids), keep_logits, drafter, constraint=constraint)
+                      max_tokens, sampler, tuple(stop_ids), keep_logits, drafter, constraint=constraint, bias=bias)
         self._next_id += 1
         if max_tokens <= 0:
             req.finish = "length"
@@ -444,6 +447,9 @@ class Batch:
     @staticmethod
     def _pick(r: Request, rows) -> tuple[list[int], int]:
         """The tokens a pass emits, and how many drafts it kept."""
+        if r.bias is not None:
+            ids, values = r.bias
+            rows = [row.to(torch.float32, copy=True).index_add_(0, ids, values) for row in rows]
         if r.constraint is not None:   # every row masked for the grammar where its token stands
             rows = r.constraint.masked_rows(rows, r.drafts)
         toks, kept = Batch._verify(r, rows)

@@ -9,6 +9,7 @@ import anthropic
 import pytest
 from test_server import KEY, MAX_CONTEXT, ServerProc, http
 
+from k3.server.anthropic import to_chat_body
 from k3.synth import synthesize
 
 
@@ -123,6 +124,14 @@ def test_a_tool_round_trip(srv):
                                                  "content": "18 C, sunny"}]}]
     answer = c.messages.create(model="tiny", max_tokens=6, messages=back, tools=tools, thinking={"type": "disabled"})
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+    # any, one call at most: exactly one tool_use, valid
+    body = {"model": "tiny", "max_tokens": 200, "messages": msgs, "tools": tools,
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    assert to_chat_body(body)["parallel_tool_calls"] is False
+    m = c.messages.create(**body, extra_body={"temperature": 0.9})
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(use) == 1
+    jsonschema.validate(use[0].input, schema)
 
 
 def test_errors_have_anthropics_shape(srv):

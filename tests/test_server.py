@@ -716,6 +716,52 @@ def test_a_forced_tool_call_is_a_valid_call(srv):
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
+def test_calls_the_model_chooses_are_valid_calls(srv, k3dir):
+    """tool_choice auto: the model thinks, answers and makes the calls it chooses, each
+    valid against its tool's parameters. The noise model is pushed toward K3's tags with
+    logit_bias so that it reaches the tools block: 12 seeded, sampled answers; their
+    calls all validate. parallel_tool_calls false: at most one call; tool_choice none:
+    no call."""
+    import jsonschema
+    tok = Tokenizer(k3dir)
+    push = {str(tok.token_id(n)): 5 for n in ("<|open|>", "<|close|>", "<|sep|>")}
+    c = srv.client()
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    calls = thought = ended = 0
+    for seed in range(12):
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0.9,
+                                      seed=seed, logit_bias=push)
+        ch = r.choices[0]
+        thought += bool(getattr(ch.message, "reasoning_content", None))
+        for call in ch.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            calls += 1
+        assert ch.finish_reason in ("tool_calls" if ch.message.tool_calls else "stop", "length"), ch
+        ended += ch.finish_reason != "length"
+    assert calls >= 6 and thought >= 6 and ended >= 6, (calls, thought, ended)
+    for seed in range(4):
+        one = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0.9,
+                                        seed=seed, logit_bias=push, parallel_tool_calls=False).choices[0].message
+        none = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0.9,
+                                         seed=seed, logit_bias=push, tool_choice="none").choices[0].message
+        assert len(one.tool_calls or []) <= 1 and not none.tool_calls
+
+
+def test_logit_bias(srv, k3dir):
+    """logit_bias adds to the logits before the pick: +100 on one token makes a greedy
+    completion that token throughout; a bias outside -100..100 or on a token the model
+    does not have: 400."""
+    c = srv.client()
+    tok = Tokenizer(k3dir)
+    t = tok.encode(" the")[0]
+    r = c.completions.create(model="tiny", prompt="Once", max_tokens=5, temperature=0, logit_bias={str(t): 100})
+    assert r.choices[0].text == tok.decode([t] * 5)
+    for bias in ({str(t): 101}, {"99999999": 1}, {"x": 1}):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="tiny", prompt="Once", max_tokens=2, logit_bias=bias)
+
+
 # ---------------------------------------------------------------- speculative decoding
 def test_spec_gives_the_same_tokens_in_the_batch(srv, k3dir, tmp_path):
     """`k3 serve --spec 4`: each sequence drafts (here from a corpus holding the greedy

@@ -163,6 +163,8 @@ def to_chat_body(body: dict, *, count_only: bool = False) -> dict:
     tc = _tool_choice(body)
     if tc is not None:
         out["tool_choice"] = tc
+        if body["tool_choice"].get("disable_parallel_tool_use") is True:
+            out["parallel_tool_calls"] = False
     th = body.get("thinking")
     if th is not None:
         kind = th.get("type") if isinstance(th, dict) else None

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..chat_format import (CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, json_answer_grammar, render_k3,
-                           tool_call_grammar)
+from ..answer_grammar import MAX_CALLS, answer_grammar
+from ..chat_format import CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, render_k3
 from ..errors import K3Error
 from ..tokenizer import StreamDecoder, Tokenizer
 
@@ -142,11 +142,29 @@ def refuse_unsupported(body: dict) -> None:
             raise bad(f"'{key}' must be a number, got {_kind(v)}.", key, "invalid_type")
         if v:
             raise bad(f"'{key}' is not supported (only 0).", key, "unsupported_parameter")
+
+
+def logit_bias(body: dict, ctx: ModelContext) -> tuple | None:
+    """OpenAI's ``logit_bias`` ({token id: bias in [-100, 100]}) as (ids, values) for
+    k3.decode.Batch.add, or None."""
     lb = body.get("logit_bias")
-    if lb is not None and not isinstance(lb, dict):
+    if lb is None or lb == {}:
+        return None
+    if not isinstance(lb, dict):
         raise bad(f"'logit_bias' must be an object, got {_kind(lb)}.", "logit_bias", "invalid_type")
-    if lb:
-        raise bad("'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")
+    import torch
+    ids, values = [], []
+    for k, v in lb.items():
+        tid = int(k) if isinstance(k, str) and k.strip().isdigit() else None
+        if tid is None or tid >= ctx.cfg.vocab_size:
+            raise bad(f"'logit_bias' key {k!r} is not a token id of this model (0 to {ctx.cfg.vocab_size - 1}).",
+                      "logit_bias", "invalid_value")
+        if not _is_num(v) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' value for token {k} must be a number from -100 to 100, got {v!r}.",
+                      "logit_bias", "invalid_value")
+        ids.append(tid)
+        values.append(float(v))
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32)
 
 
 # ====================================================================== what the server knows
@@ -208,9 +226,10 @@ class GenRequest:
     return_token_ids: bool
     fmt: Any = None  # chat: the ChatFormat the answer is parsed with
     logprobs: int | None = None  # None: no logprobs; else how many most likely alternatives each token lists
-    constraint: Any = None  # k3.constrain.Constraint the answer's tokens must follow (response_format JSON)
+    constraint: Any = None  # k3.constrain.Constraint the answer's tokens must follow (tools, a JSON response_format)
     thinking: bool = False
     settings: Any = None  # the SamplingSettings (None: greedy)
+    bias: Any = None  # logit_bias as (token ids, values), or None
 
 
 def check_model(body: dict, ctx: ModelContext) -> None:
@@ -399,7 +418,8 @@ def parse_chat(body: dict, ctx: ModelContext) -> GenRequest:
     return GenRequest("chat", prompt, max_tokens, sampler, frozenset(fmt.stop_ids), stop_strings(body), stream,
                       include_usage, opt_bool(body, "return_token_ids"), fmt=fmt,
                       thinking=isinstance(fmt, K3Format) and thinking, settings=settings,
-                      logprobs=_chat_logprobs(body), constraint=_constraint(body, fmt, ctx))
+                      logprobs=_chat_logprobs(body), constraint=_constraint(body, fmt, ctx, thinking),
+                      bias=logit_bias(body, ctx))
 
 
 def _json_format(response_format) -> bool:
@@ -418,37 +438,49 @@ def _named_tool(tool_choice: dict, tools) -> str:
     return name
 
 
-def _constraint(body: dict, fmt, ctx: ModelContext):
-    """The grammar the request puts on the answer (k3.constrain), or None: tool_choice
-    naming a function (or required) one call of it (of one of the tools) with arguments
-    valid against its parameters; a JSON response_format JSON text (json_object any
-    object, json_schema its schema); then the format's end token."""
+def _constraint(body: dict, fmt, ctx: ModelContext, thinking: bool):
+    """The grammar the request puts on the answer (k3.constrain), or None. In K3's chat
+    format, with tools or a JSON response_format, the whole answer as K3 writes it
+    (k3.answer_grammar): think text when thinking, the response (JSON valid against the
+    format's schema, or free text), then the calls tool_choice allows (none: no calls;
+    auto: the model's choice; required or a named function: a call at once), each call's
+    arguments valid against its tool's parameters; at most one call when
+    ``parallel_tool_calls`` is false or a function is named. Other chat formats: a JSON
+    response_format only. Then the format's end token."""
     from ..constrain import lark_constraint
     tools, tool_choice, response_format = body.get("tools"), body.get("tool_choice"), body.get("response_format")
-    if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
-        if _json_format(response_format):
-            raise bad("give 'response_format' or a 'tool_choice' that forces a call, not both.", "response_format",
-                      "invalid_value")
-        if not isinstance(fmt, K3Format):
+    json_content = _json_format(response_format)
+    forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
+    if forced and json_content:
+        raise bad("give 'response_format' or a 'tool_choice' that forces a call, not both.", "response_format",
+                  "invalid_value")
+    if not isinstance(fmt, K3Format):
+        if forced:
             raise bad("a forced tool call is constrained in K3's chat format only.", "tool_choice",
                       "unsupported_value")
-        name = _named_tool(tool_choice, tools) if isinstance(tool_choice, dict) else None
-        chosen = [(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools
-                  if name is None or t["function"]["name"] == name]
-        try:
-            return lark_constraint(ctx.tokenizer, tool_call_grammar(ctx.tokenizer, chosen), fmt.stop_ids,
-                                   ctx.cfg.vocab_size, "a tool's parameters schema")
-        except K3Error as e:
-            raise bad(str(e), "tools", "invalid_value") from None
-    if not _json_format(response_format):
+        return _json_constraint(response_format, fmt.stop_ids, ctx) if json_content else None
+    if not (json_content or tools):
         return None
-    if isinstance(fmt, K3Format):   # the response channel and the message closed as K3 writes them
+    name = _named_tool(tool_choice, tools) if isinstance(tool_choice, dict) else None
+    chosen = [(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools or []
+              if name is None or t["function"]["name"] == name]
+    single = name is not None or not opt_bool(body, "parallel_tool_calls", True)
+    kw = dict(thinking=thinking, json_content=json_content,
+              content_schema=_schema(response_format) if json_content else None, tools=chosen,
+              calls="required" if forced else "none" if tool_choice == "none" else "auto",
+              max_calls=1 if single else MAX_CALLS)
+    what = "a tool's parameters schema" if chosen else "the JSON schema"
+    try:
         try:
-            return lark_constraint(ctx.tokenizer, json_answer_grammar(ctx.tokenizer, _schema(response_format)),
-                                   fmt.stop_ids, ctx.cfg.vocab_size, "the JSON schema")
-        except K3Error as e:
-            raise bad(str(e), "response_format", "invalid_value") from None
-    return _json_constraint(response_format, fmt.stop_ids, ctx)
+            return lark_constraint(ctx.tokenizer, answer_grammar(ctx.tokenizer, **kw), fmt.stop_ids,
+                                   ctx.cfg.vocab_size, what)
+        except K3Error:   # a schema the argument form mis-reads: the json form alone says it
+            if not chosen:
+                raise
+            return lark_constraint(ctx.tokenizer, answer_grammar(ctx.tokenizer, argument_form=False, **kw),
+                                   fmt.stop_ids, ctx.cfg.vocab_size, what)
+    except K3Error as e:
+        raise bad(str(e), "tools" if chosen else "response_format", "invalid_value") from None
 
 
 def _schema(response_format: dict) -> dict | None:
@@ -592,7 +624,7 @@ def parse_completion(body: dict, ctx: ModelContext) -> GenRequest:
         constraint = _json_constraint(rf, completion_stop_ids(ctx), ctx)
     return GenRequest("completion", prompt, max_tokens, sampler, completion_stop_ids(ctx), stop_strings(body),
                       stream, include_usage, opt_bool(body, "return_token_ids"), settings=settings,
-                      constraint=constraint,
+                      constraint=constraint, bias=logit_bias(body, ctx),
                       logprobs=None if body.get("logprobs") is False else
                       opt_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS))
 

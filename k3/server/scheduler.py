@@ -219,7 +219,7 @@ class Scheduler:
                 cached, state = hit
         try:
             r = batch.add(g.prompt[cached:], state=state, max_tokens=g.max_tokens, sampler=g.sampler,
-                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint,
+                          stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint, bias=g.bias,
                           spec=self.spec, spec_corpus=self.spec_corpus)
         except K3Error as e:
             job.ended = True

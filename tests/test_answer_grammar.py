@@ -1,0 +1,188 @@
+"""k3.answer_grammar: the grammar of a whole K3 answer under constrained decoding.
+
+A random "model" (noisy logits, the tag tokens pushed up so answers reach the tools
+block) is decoded under the grammar, sampled; every answer ends with the end token,
+every call it makes names a declared tool and its arguments, read back by the server's
+own call parser, validate against the tool's schema (jsonschema, an independent
+validator). Both argument forms K3 writes occur. The answers K3's rendered history
+writes (k3.chat_format.render_k3) are answers the grammar takes, token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3.answer_grammar import answer_grammar
+from k3.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, render_k3
+from k3.config import load_config
+from k3.constrain import lark_constraint
+from k3.server.protocol import XTMLToolCalls
+from k3.synth import synthesize
+from k3.tokenizer import Tokenizer
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+TOOLS = [
+    ("get_weather", {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                     "properties": {"city": {"type": "string", "maxLength": 12},
+                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}}}),
+    ("get_time", {"type": "object", "required": ["zone"],
+                  "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "JST"]}}}),
+    ("ping", {"type": "object", "properties": {}}),
+    ("mixed", {"type": "object", "additionalProperties": False,
+               "properties": {"x": {"type": ["number", "null"]},
+                              "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+                              "flag": {"type": "boolean"}, "code": {"type": "string", "pattern": "^[a-z]+$"},
+                              "mode": {"enum": ["fast", 1, None]}}}),
+    ("by_ref", {"type": "object", "required": ["p"], "$defs": {"pt": {"type": "object", "required": ["x"],
+                                                                      "properties": {"x": {"type": "integer"}}}},
+                "properties": {"p": {"$ref": "#/$defs/pt"}}}),
+]
+SCHEMAS = dict(TOOLS)
+
+
+VOCAB = {}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = synthesize(tmp_path_factory.mktemp("ag") / "tiny", preset="tiny", arch="k3", seed=11)
+    t = Tokenizer(d)
+    VOCAB[t] = load_config(d).vocab_size
+    return t
+
+
+def _vocab(tok) -> int:
+    return VOCAB[tok]
+
+
+def _walk(tok, grammar, seed, steps=500, push=5.0):
+    """Sampled tokens of a noise model under ``grammar`` (the tags favoured), the calls
+    the server's parser reads out of them, and whether the end token came."""
+    vocab = _vocab(tok)
+    end = tok.token_id(END_OF_MSG)
+    tags = [tok.token_id(n) for n in (OPEN, CLOSE, SEP)]
+    con = lark_constraint(tok, grammar, [end], vocab, "test")
+    g = torch.Generator().manual_seed(seed)
+    parser, out = XTMLToolCalls(tok), []
+    for _ in range(steps):
+        logits = torch.randn(vocab, generator=g) * 2
+        logits[tags] += push
+        masked = con.mask(logits)
+        assert masked[end] == float("-inf") or not out or out[-1] == tok.token_id(SEP)
+        t = int(torch.multinomial(torch.softmax(masked, -1), 1, generator=g))
+        out.append(t)
+        if t == end:
+            return out, parser.calls, True
+        con.accept(t)
+        parser.feed(t)
+    return out, parser.calls, False
+
+
+def _check_calls(calls, schemas):
+    for c in calls:
+        name = c["function"]["name"]
+        assert name in schemas, name
+        jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[name])
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_sampled_answers_make_only_valid_calls(tok, thinking):
+    grammar = answer_grammar(tok, thinking=thinking, tools=TOOLS, calls="auto")
+    ended = calls = forms = 0
+    seen = set()
+    for seed in range(30):
+        out, got, done = _walk(tok, grammar, seed)
+        ended += done
+        _check_calls(got, SCHEMAS)
+        calls += len(got)
+        seen |= {c["function"]["name"] for c in got}
+        text = tok.decode_bytes(out).decode("utf-8", "replace")
+        forms |= (1 if "argument key=" in text else 0) | (2 if "json type=" in text else 0)
+    assert ended >= 25 and calls >= 15, (ended, calls)
+    assert forms == 3   # both argument forms were written
+    assert {"get_weather", "get_time", "mixed", "by_ref"} <= seen
+
+
+def test_required_named_single_and_none(tok):
+    # required: a call at once (empty response), at most max_calls of them
+    closed = [TOOLS[0], TOOLS[3]]   # no other keys: the noise model's calls end soon
+    g1 = answer_grammar(tok, thinking=False, tools=closed, calls="required", max_calls=1)
+    g0 = answer_grammar(tok, thinking=False, tools=TOOLS, calls="none")
+    for seed in range(10):
+        out, got, done = _walk(tok, g1, seed)
+        assert done and len(got) == 1, (seed, got)
+        _check_calls(got, SCHEMAS)
+        first = out.index(tok.token_id(SEP))
+        assert out[0] == tok.token_id(CLOSE) and tok.decode_bytes(out[1:first]) == b"response"
+        out, got, done = _walk(tok, g0, seed)
+        assert got == [] and b"tools" not in tok.decode_bytes(out)
+
+
+def test_json_response_or_calls(tok):
+    """A JSON response format with tools: either JSON in the response, or an empty
+    response and calls."""
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}},
+              "additionalProperties": False}
+    g = answer_grammar(tok, thinking=False, json_content=True, content_schema=schema, tools=[TOOLS[0], TOOLS[3]],
+                       calls="auto")
+    kinds, ended = set(), 0
+    for seed in range(20):
+        out, got, done = _walk(tok, g, seed, push=5.0 * (seed % 2))   # even seeds: the tags not favoured
+        _check_calls(got, SCHEMAS)
+        ended += done
+        if not done:   # a long walk (whitespace the JSON grammar allows): its calls so far checked
+            continue
+        body = tok.decode_bytes(out[:out.index(tok.token_id(CLOSE))]).decode()
+        if got:
+            assert body == ""
+        else:
+            jsonschema.validate(json.loads(body), schema)
+        kinds.add("calls" if got else "json")
+    assert kinds == {"json", "calls"} and ended >= 15
+
+
+def _answer_tokens(tok, history, thinking):
+    """The tokens of the last (assistant) message of ``history`` after the generation
+    prompt, as render_k3 writes them (its <|end_of_msg|> included)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS]
+    full = tok.encode_segments(render_k3(history, tools, thinking=thinking, add_generation_prompt=False))
+    head = tok.encode_segments(render_k3(history[:-1], tools, thinking=thinking, add_generation_prompt=True))
+    assert full[:len(head)] == head
+    return full[len(head):]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_rendered_history_is_an_answer_the_grammar_takes(tok, thinking):
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
+             {"type": "function", "function": {"name": "mixed",
+                                               "arguments": {"x": None, "tags": [1, 2], "flag": True}}},
+             {"type": "function", "function": {"name": "ping", "arguments": "{}"}},
+             {"type": "function", "function": {"name": "by_ref", "arguments": {"p": {"x": 4}},
+                                               "json_block": json.dumps({"p": {"x": 4}})}}]
+    answers = [{"role": "assistant", "content": "Let me look.", "reasoning_content": "Weather, then time.",
+                "tool_calls": calls},
+               {"role": "assistant", "content": "It is sunny.\nAnything else?"}]
+    grammar = answer_grammar(tok, thinking=thinking, tools=TOOLS, calls="auto")
+    end = tok.token_id(END_OF_MSG)
+    for answer in answers:
+        ids = _answer_tokens(tok, [{"role": "user", "content": "Weather in Paris?"}, answer], thinking)
+        assert ids[-1] == end
+        con = lark_constraint(tok, grammar, [end], _vocab(tok), "test")
+        for t in ids:
+            assert con.mask(torch.zeros(_vocab(tok)))[t] == 0, (t, tok.decode_bytes([t]))
+            if t != end:
+                con.accept(t)
+
+
+def test_a_schema_the_argument_form_cannot_say_leaves_the_json_form(tok):
+    g = answer_grammar(tok, thinking=False, tools=[TOOLS[4]], calls="required")
+    assert "arg0_" not in g and "json0" in g
+    g = answer_grammar(tok, thinking=False, tools=[TOOLS[0]], calls="required")
+    assert "arg0_0" in g and "arg0_1" in g
+    g = answer_grammar(tok, thinking=False, tools=[TOOLS[0]], calls="required", argument_form=False)
+    assert "arg0_" not in g
+
