@@ -1,6 +1,8 @@
 """A constrained token's cost at a model's vocabulary: the grammar engine's mask, the pick
 and the grammar step, against a plain argmax, per engine (llguidance, k3's; xgrammar when
-it is importable), on random logits, the same JSON schema for all.
+it is importable), on random logits, the same JSON schema for all; and llguidance under
+the grammar of a whole K3 answer with 16 agent tools (tool_choice auto, free think text:
+``llguidance-answer``; its compile_s is that grammar's).
 
 Per rep and engine: build the tables (a one-off a server pays at start), compile the
 schema, then decode ``--tokens`` tokens greedily under the grammar; the median seconds of
@@ -8,6 +10,15 @@ one token's mask + pick + step. Reps alternate the engines' order. One TSV row p
 engine) in benchmarks/results/constrain.tsv with the CPU flags.
 
     python benchmarks/bench_constrain.py MODEL_DIR [--reps 3] [--tokens 60]
+
+``--decode N``: instead, the share of a decode step spent in the grammar where it
+counts: N sequences of MODEL_DIR's model decode greedily in one batch, each under the
+answer grammar of a chat request with 6 agent tools (tool_choice auto, thinking on),
+and the step's time and the time inside ``Constraint.mask`` / ``accept`` are taken per
+step (medians over the steps after the first few; one TSV row per rep in
+benchmarks/results/constrain-decode.tsv).
+
+    python benchmarks/bench_constrain.py MODEL_DIR --decode 8 --reps 3 --tokens 60
 """
 
 from __future__ import annotations
@@ -54,6 +65,41 @@ def run_llguidance(tok, vocab, tokens, seed):
     return t1 - t0, t2 - t1, ts
 
 
+def _agent_tools(n=16):
+    """``n`` tools shaped like a coding agent's (a few typed arguments, some optional)."""
+    return [(f"tool_{i}", {"type": "object", "additionalProperties": False, "required": ["path", "mode"],
+                           "properties": {"path": {"type": "string"}, "mode": {"enum": ["read", "write", "append"]},
+                                          "line": {"type": "integer", "minimum": 0},
+                                          "dry_run": {"type": "boolean"},
+                                          "globs": {"type": "array", "items": {"type": "string"}}}})
+            for i in range(n)]
+
+
+def run_llguidance_answer(tok, vocab, tokens, seed):
+    """A whole K3 answer under tool_choice auto with 16 tools (k3.answer_grammar): the
+    random logits keep it in the free think text, where an agent's answer spends most
+    of its tokens."""
+    from k3 import constrain
+    from k3.answer_grammar import answer_grammar
+    from k3.chat_format import END_OF_MSG
+    end = [tok.token_id(END_OF_MSG)]
+    constrain._LL.pop(tok, None)
+    t0 = time.perf_counter()
+    constrain.prepare(tok, vocab, end)
+    t1 = time.perf_counter()
+    c = constrain.lark_constraint(tok, answer_grammar(tok, thinking=True, tools=_agent_tools(), calls="auto"),
+                                  end, vocab, "bench")
+    t2 = time.perf_counter()
+    g, ts = torch.Generator().manual_seed(seed), []
+    for _ in range(tokens):
+        lg = torch.randn(vocab, generator=g)
+        a = time.perf_counter()
+        t = int(torch.argmax(c.mask(lg)))
+        c.accept(t)
+        ts.append(time.perf_counter() - a)
+    return t1 - t0, t2 - t1, ts
+
+
 def run_xgrammar(tok, vocab, tokens, seed):
     import xgrammar as xgr
     t0 = time.perf_counter()
@@ -93,15 +139,70 @@ def run_argmax(tok, vocab, tokens, seed):
     return 0.0, 0.0, ts
 
 
+def decode_share(model, n, tokens, reps, tsv_path):
+    """Per rep: (median step seconds, median seconds inside the constraint per step)."""
+    import k3
+    from bench_server import agent_tools
+    from k3 import constrain
+    from k3.answer_grammar import answer_grammar
+    from k3.chat_format import K3Format, render_k3
+    inside = [0.0]
+    for name in ("mask", "accept"):
+        f = getattr(constrain.Constraint, name)
+
+        def timed(self, *a, _f=f):
+            t = time.perf_counter()
+            try:
+                return _f(self, *a)
+            finally:
+                inside[0] += time.perf_counter() - t
+        setattr(constrain.Constraint, name, timed)
+    eng = k3.load(model, max_batch=n)
+    tok, tools = eng.tokenizer, agent_tools()
+    fmt = K3Format(tok, True, "max", tools)
+    prompt = tok.encode_segments(render_k3([{"role": "user", "content": "Fix the failing test."}], tools))
+    grammar = answer_grammar(tok, thinking=True, calls="auto",
+                             tools=[(t["function"]["name"], t["function"]["parameters"]) for t in tools])
+    flags = cpu_flags()
+    tsv = Tsv(Path(tsv_path), ["sequences", "rep", "vocab", "steps", "step_median_s", "constraint_median_s",
+                               "share", "cpu"])
+    for rep in range(reps):
+        b = eng.batch()
+        for _ in range(n):
+            c = constrain.lark_constraint(tok, grammar, fmt.stop_ids, eng.cfg.vocab_size, "bench")
+            b.add(prompt, max_tokens=tokens, stop_ids=fmt.stop_ids, constraint=c)
+        steps, spent = [], []
+        while b.active:
+            inside[0] = 0.0
+            t = time.perf_counter()
+            list(b.step())
+            steps.append(time.perf_counter() - t)
+            spent.append(inside[0])
+        steps, spent = steps[5:], spent[5:]   # past the prompt's passes
+        st, ct = statistics.median(steps), statistics.median(spent)
+        tsv.add(sequences=n, rep=rep, vocab=eng.cfg.vocab_size, steps=len(steps), step_median_s=st,
+                constraint_median_s=ct, share=ct / st, cpu=flags)
+        print(f"rep {rep}: {n} sequence(s), step {st * 1e3:.2f} ms, in the grammar {ct * 1e3:.3f} ms "
+              f"({100 * ct / st:.1f} %)", file=sys.stderr)
+    print(f"wrote {tsv_path} (run {tsv.run}); {flags}", file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a model folder with its tokenizer (tiktoken.model)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=60)
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks" / "results" / "constrain.tsv"))
+    ap.add_argument("--decode", type=int, metavar="N", help="the grammar's share of a decode step of N sequences "
+                    "(see above)")
     a = ap.parse_args()
+    if a.decode:
+        tsv = a.tsv if a.tsv != ap.get_default("tsv") else str(ROOT / "benchmarks" / "results" /
+                                                                 "constrain-decode.tsv")
+        decode_share(a.model, a.decode, a.tokens, a.reps, tsv)
+        return 0
     tok, vocab = Tokenizer(a.model), load_config(a.model).vocab_size
-    engines = {"argmax": run_argmax, "llguidance": run_llguidance}
+    engines = {"argmax": run_argmax, "llguidance": run_llguidance, "llguidance-answer": run_llguidance_answer}
     try:
         import xgrammar  # noqa: F401
         engines["xgrammar"] = run_xgrammar
@@ -120,10 +221,10 @@ def main() -> int:
             res[e].append(med)
             tsv.add(engine=e, rep=rep, vocab=vocab, tokens=len(ts), tables_s=tables, compile_s=comp,
                     token_median_s=med, token_p90_s=p90, cpu=flags)
-            print(f"rep {rep} {e:10} tables {tables:.2f} s, compile {comp:.3f} s, {len(ts)} tokens, "
+            print(f"rep {rep} {e:17} tables {tables:.2f} s, compile {comp:.3f} s, {len(ts)} tokens, "
                   f"median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us", file=sys.stderr)
     for e, v in res.items():
-        print(f"{e:10} median of rep medians {statistics.median(v) * 1e6:.0f} us "
+        print(f"{e:17} median of rep medians {statistics.median(v) * 1e6:.0f} us "
               f"({' / '.join(f'{x * 1e6:.0f}' for x in v)})", file=sys.stderr)
     print(f"wrote {a.tsv} (run {tsv.run}); {flags}", file=sys.stderr)
     return 0

@@ -31,9 +31,12 @@ reps is printed at the end.
 ``--constrained`` runs every client count twice, free and with the answer constrained
 to JSON (``response_format`` json_schema: an object holding one long string, so both
 kinds run to ``max_tokens``), the kinds alternating: the per-token cost of the mask is
-the difference of their inter-token latencies.
+the difference of their inter-token latencies. ``--tools`` adds two chat kinds: 6
+agent-shaped tools under ``tool_choice: auto`` (the whole answer under K3's answer
+grammar, k3.answer_grammar), and the same tools' declaration sent as plain system text
+without ``tools`` (a free answer from a prompt of about the same length).
 
-    python benchmarks/bench_server.py --synth small --clients 1,8 --constrained --reps 3
+    python benchmarks/bench_server.py --synth small --clients 1,8 --constrained --tools --reps 3
 
 (benchmarks/results/server.tsv holds the older 1-vs-8-client rows, non-streamed, without TTFT.)
 """
@@ -164,14 +167,16 @@ def scrape(url: str) -> dict:
 
 
 # ---------------------------------------------------------------- one streamed request
-def stream_completion(url: str, body: dict, timeout: float) -> dict:
-    """POST a streamed /v1/completions and read its SSE events as they come.
+def stream_completion(url: str, body: dict, timeout: float, endpoint: str = "completions") -> dict:
+    """POST a streamed /v1/completions (or /v1/chat/completions) and read its SSE events
+    as they come.
 
     Returns {"ttft", "latency", "tokens" (usage.completion_tokens), "ids" (the token ids
     streamed), "token_times" (arrival of each chunk with ids), "finish"}; raises on an
     HTTP error, an error event, or a stream without usage."""
     body = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    req = urllib.request.Request(f"{url}/v1/{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
     t0 = time.perf_counter()
     ttft = None
@@ -240,19 +245,46 @@ LONG_JSON = {"type": "json_schema", "json_schema": {"name": "text", "schema": {
     "properties": {"text": {"type": "string", "pattern": "^[a-z ]{40,}$"}}}}}
 
 
-def arm(srv: Serve, name: str, clients: int, rep: int, a, vocab: int, avoid: set[int],
-        constrained: bool = False) -> dict:
+def agent_tools(n: int = 6) -> list[dict]:
+    """``n`` tools shaped like a coding agent's (a few typed arguments, some optional)."""
+    params = {"type": "object", "additionalProperties": False, "required": ["path", "mode"],
+              "properties": {"path": {"type": "string"}, "mode": {"enum": ["read", "write", "append"]},
+                             "line": {"type": "integer", "minimum": 0}, "dry_run": {"type": "boolean"},
+                             "globs": {"type": "array", "items": {"type": "string"}}}}
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool number {i}.",
+                                              "parameters": params}} for i in range(n)]
+
+
+#: the kinds of request an arm sends: (endpoint, label)
+KINDS = {"free": ("completions", ""), "json": ("completions", " JSON"), "chat": ("chat", " chat"),
+         "tools": ("chat", " tools")}
+
+
+def request_body(kind: str, name: str, rep: int, i: int, a, vocab: int, avoid: set[int]) -> dict:
+    body = {"model": name, "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": 1000 * rep + i}
+    if KINDS[kind][0] == "completions":
+        body["prompt"] = prompt_ids(a.prompt_tokens, vocab, avoid, 7919 * rep + i)
+        if kind == "json":
+            body["response_format"] = LONG_JSON
+        return body
+    user = {"role": "user", "content": f"Request {rep}.{i}: look at the files and fix the failing test."}
+    if kind == "tools":
+        return dict(body, messages=[user], tools=agent_tools(), tool_choice="auto")
+    declared = json.dumps(agent_tools(), sort_keys=True, separators=(",", ":"))
+    return dict(body, messages=[{"role": "system", "content": "# Tools\n" + declared}, user])
+
+
+def arm(srv: Serve, name: str, clients: int, rep: int, a, vocab: int, avoid: set[int], kind: str = "free") -> dict:
     res: list = [None] * clients
     go = threading.Barrier(clients + 1)
 
     def one(i):
-        body = {"model": name, "prompt": prompt_ids(a.prompt_tokens, vocab, avoid, 7919 * rep + i),
-                "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": 1000 * rep + i}
-        if constrained:
-            body["response_format"] = LONG_JSON
+        body = request_body(kind, name, rep, i, a, vocab, avoid)
         go.wait()
         try:
-            res[i] = stream_completion(srv.url, body, a.timeout)
+            res[i] = stream_completion(srv.url, body, a.timeout, KINDS[kind][0])
+        except urllib.error.HTTPError as e:
+            res[i] = RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}")
         except (OSError, RuntimeError, ValueError, urllib.error.URLError) as e:
             res[i] = e
 
@@ -317,6 +349,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--constrained", action="store_true",
                     help="each client count also with the answers constrained to JSON (the mask's per-token cost)")
+    ap.add_argument("--tools", action="store_true",
+                    help="each client count also as chat requests with 6 tools under tool_choice auto (the whole "
+                         "answer constrained), and as chat requests with the same declaration as plain text")
     ap.add_argument("--timeout", type=float, default=3600, help="per-request timeout in seconds (default 3600)")
     ap.add_argument("--tsv", default=str(RESULTS / "server-ttft.tsv"), help="rows go here (appended)")
     a = ap.parse_args(argv)
@@ -329,7 +364,7 @@ def main(argv=None) -> int:
                      "(laptop, desktop, ...)")
         a.synth, a.preset = a.preset, None
     max_batch = a.max_batch or max(arms)
-    max_context = a.max_context or a.prompt_tokens + a.max_tokens + 64
+    max_context = a.max_context or a.prompt_tokens + a.max_tokens + 64 + (3072 if a.tools else 0)  # tools: declared
     if a.prompt_tokens + a.max_tokens > max_context:
         ap.error("--max-context must hold --prompt-tokens + --max-tokens")
 
@@ -363,7 +398,8 @@ def main(argv=None) -> int:
     srv = Serve(model, flags, ceiling_gb=a.ceiling_gb, log_path=log_path)
     print(f"listening on {srv.url} after {time.perf_counter() - t_load:.1f} s", file=sys.stderr, flush=True)
     tsv = Tsv(Path(a.tsv), COLS)
-    kinds = [(c, k) for c in arms for k in ((False, True) if a.constrained else (False,))]
+    kinds = [(c, k) for c in arms for k in ["free"] + (["json"] if a.constrained else [])
+             + (["chat", "tools"] if a.tools else [])]
     rows: dict[tuple, list[dict]] = {ck: [] for ck in kinds}
     answers: dict[int, list] = {}
     cg_final = (None, None)
@@ -377,16 +413,16 @@ def main(argv=None) -> int:
                 r = arm(srv, name, c, rep, a, vocab, avoid, k)
                 cg_max, failcnt = srv.cgroup()
                 ids = r.pop("ids")
-                if rep == 1 and not k:
+                if rep == 1 and k == "free":
                     answers[c] = ids
                 rows[(c, k)].append(r)
-                tsv.add(arm=f"{c}-clients" + ("-json" if k else ""), rep=rep, prompt_tokens=a.prompt_tokens,
+                tsv.add(arm=f"{c}-clients" + ("" if k == "free" else f"-{k}"), rep=rep, prompt_tokens=a.prompt_tokens,
                         max_tokens=a.max_tokens,
                         max_batch=max_batch, max_context=max_context, ceiling_gb=a.ceiling_gb or "",
                         cg_max_gb=cg_max if cg_max is not None else "", cg_failcnt=failcnt if failcnt is not None
                         else "", serve_flags=serve_flags, load1=loadavg(), cpu=os.cpu_count(), model=name,
                         flags=cpu, **r)
-                print(f"rep {rep}: {c:>2} client(s){' JSON' if k else ''}: {r['tokens']} tokens in "
+                print(f"rep {rep}: {c:>2} client(s){KINDS[k][1]}: {r['tokens']} tokens in "
                       f"{r['seconds']:.2f} s = "
                       f"{r['tok_s']:.2f} tok/s, {r['req_s']:.3f} req/s, TTFT mean {r['ttft_mean_s']:.2f} s "
                       f"(max {r['ttft_max_s']:.2f}), latency {r['mean_latency_s']:.2f} s, mean batch "
@@ -410,7 +446,7 @@ def main(argv=None) -> int:
         qm, qsd, _ = mean_sd_spread([r["req_s"] for r in rs])
         lm, lsd, _ = mean_sd_spread([r["mean_latency_s"] for r in rs])
         im, isd, _ = mean_sd_spread([r["itl_mean_s"] * 1e3 for r in rs])
-        out.append([f"{c}" + (" JSON" if k else ""), f"{tm:.2f} ± {tsd:.2f}", f"{100 * tsp:.0f}%",
+        out.append([f"{c}" + KINDS[k][1], f"{tm:.2f} ± {tsd:.2f}", f"{100 * tsp:.0f}%",
                     " / ".join(f"{r['tok_s']:.2f}" for r in rs),
                     f"{fm:.2f} ± {fsd:.2f}", f"{100 * fsp:.0f}%", f"{qm:.3f} ± {qsd:.3f}", f"{lm:.2f} ± {lsd:.2f}",
                     f"{im:.2f} ± {isd:.2f}", f"{sum(r['mean_batch'] for r in rs) / len(rs):.1f}",
