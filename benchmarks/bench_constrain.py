@@ -45,13 +45,16 @@ SCHEMA = {"type": "object", "required": ["name", "ok", "n"], "additionalProperti
                          "n": {"type": "integer"}}}
 
 
-def run_llguidance(tok, vocab, tokens, seed):
+def _llguidance(tok, vocab, tokens, seed, ends, make):
+    """(tables seconds, compile seconds, per-token seconds) of the constraint ``make()``
+    builds, with the tables for ``ends`` built again first, as a fresh server builds
+    them; decoded greedily on random logits until an end token or ``tokens``."""
     from k3 import constrain
-    constrain._LL.pop(tok, None)   # the tables again, as a fresh server builds them
+    constrain._LL.pop(tok, None)
     t0 = time.perf_counter()
-    constrain.prepare(tok, vocab, [tok.eos_id])
+    constrain.prepare(tok, vocab, ends)
     t1 = time.perf_counter()
-    c = constrain.json_constraint(tok, SCHEMA, [tok.eos_id], vocab)
+    c = make()
     t2 = time.perf_counter()
     g, ts = torch.Generator().manual_seed(seed), []
     for _ in range(tokens):
@@ -60,44 +63,29 @@ def run_llguidance(tok, vocab, tokens, seed):
         t = int(torch.argmax(c.mask(lg)))
         c.accept(t)
         ts.append(time.perf_counter() - a)
-        if t == tok.eos_id:
+        if t in ends:
             break
     return t1 - t0, t2 - t1, ts
 
 
-def _agent_tools(n=16):
-    """``n`` tools shaped like a coding agent's (a few typed arguments, some optional)."""
-    return [(f"tool_{i}", {"type": "object", "additionalProperties": False, "required": ["path", "mode"],
-                           "properties": {"path": {"type": "string"}, "mode": {"enum": ["read", "write", "append"]},
-                                          "line": {"type": "integer", "minimum": 0},
-                                          "dry_run": {"type": "boolean"},
-                                          "globs": {"type": "array", "items": {"type": "string"}}}})
-            for i in range(n)]
+def run_llguidance(tok, vocab, tokens, seed):
+    from k3 import constrain
+    return _llguidance(tok, vocab, tokens, seed, [tok.eos_id],
+                       lambda: constrain.json_constraint(tok, SCHEMA, [tok.eos_id], vocab))
 
 
 def run_llguidance_answer(tok, vocab, tokens, seed):
-    """A whole K3 answer under tool_choice auto with 16 tools (k3.answer_grammar): the
-    random logits keep it in the free think text, where an agent's answer spends most
-    of its tokens."""
+    """A whole K3 answer under tool_choice auto with 16 agent tools (k3.answer_grammar):
+    the random logits keep it in the free think text, where an agent's answer spends
+    most of its tokens."""
+    from bench_server import agent_tools
     from k3 import constrain
     from k3.answer_grammar import answer_grammar
     from k3.chat_format import END_OF_MSG
     end = [tok.token_id(END_OF_MSG)]
-    constrain._LL.pop(tok, None)
-    t0 = time.perf_counter()
-    constrain.prepare(tok, vocab, end)
-    t1 = time.perf_counter()
-    c = constrain.lark_constraint(tok, answer_grammar(tok, thinking=True, tools=_agent_tools(), calls="auto"),
-                                  end, vocab, "bench")
-    t2 = time.perf_counter()
-    g, ts = torch.Generator().manual_seed(seed), []
-    for _ in range(tokens):
-        lg = torch.randn(vocab, generator=g)
-        a = time.perf_counter()
-        t = int(torch.argmax(c.mask(lg)))
-        c.accept(t)
-        ts.append(time.perf_counter() - a)
-    return t1 - t0, t2 - t1, ts
+    tools = [(t["function"]["name"], t["function"]["parameters"]) for t in agent_tools(16)]
+    return _llguidance(tok, vocab, tokens, seed, end, lambda: constrain.lark_constraint(
+        tok, answer_grammar(tok, thinking=True, tools=tools, calls="auto"), end, vocab, "bench"))
 
 
 def run_xgrammar(tok, vocab, tokens, seed):
