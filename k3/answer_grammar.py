@@ -17,15 +17,16 @@ and JSON text otherwise, or one `json type="object"` block. Both forms are held 
 tool's JSON schema: the `json` block through the grammar engine's JSON schema support,
 the argument blocks by a grammar derived from the schema's properties (in their
 declared order, the required ones present, each value valid against its property's
-schema). A schema the argument form cannot express exactly (references, combinators,
-string patterns or formats, ...) leaves that tool the `json` form only, so whatever
-the grammar lets through parses into arguments that validate.
+schema). A schema the argument form cannot express exactly (references or combinators
+at its top, a required property with a string pattern or format, ...) leaves that tool
+the `json` form only; an optional property it cannot express can only be given in the
+`json` form. So whatever the grammar lets through parses into arguments that validate.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from .chat_format import CLOSE, OPEN, SEP, _escape
 
@@ -82,7 +83,7 @@ def _string_value(schema: dict, values: list | None) -> str | None:
     return f"/(?s:.{{{lo},{'' if hi is None else hi}}})/" if lo or hi is not None else "/(?s:.*)/"
 
 
-def _value_alternatives(schema: Any, rules: list[str], name: str) -> list[str] | None:
+def _value_alternatives(schema: Any, rules: list[str], name: str, s: str) -> list[str] | None:
     """The alternatives of one argument block after `type="`: per K3 type the type's
     name, `<|sep|>` and the value (rules it needs appended to ``rules``); None where the
     property cannot be written in the argument form."""
@@ -107,24 +108,27 @@ def _value_alternatives(schema: Any, rules: list[str], name: str) -> list[str] |
         if jt == "string":
             value = _string_value(schema, values)
         else:
-            sub = dict(schema, type=jt)
+            sub = {k: v for k, v in schema.items() if k not in ("const", "enum")} | {"type": jt}
             if values is not None:
                 kept = [v for v in values if _json_type(v) == jt or (jt == "number" and _json_type(v) == "integer")]
                 if not kept:
                     continue
-                sub = {"enum": kept}
+                sub["enum"] = kept
             rule = f"{name}_{jt}"
             rules.append(f"{rule}: %json {json.dumps(sub, ensure_ascii=False)}")
             value = rule
         if value is not None:
             kind = "number" if jt == "integer" else jt
-            out.append(f'{_lit(kind + chr(34))} <[{{s}}]> {value}')
+            out.append(f'{_lit(kind + chr(34))} {s} {value}')
     return out or None
 
 
-def _argument_form(schema: Any, rules: list[str], name: str) -> str | None:
+def _argument_form(schema: Any, rules: list[str], name: str, tags: tuple[str, str, str]) -> str | None:
     """The argument blocks of a call whose arguments must validate against ``schema``
-    (rules appended to ``rules``), or None where that cannot be said exactly."""
+    (rules appended to ``rules``; ``tags`` the open, close and separator tokens), or
+    None where that cannot be said exactly. A property whose values cannot be said
+    exactly is left out (given in the json block only) unless it is required."""
+    o, c, s = tags
     if not isinstance(schema, dict) or set(schema) - _OBJECT_KEYS or schema.get("type", "object") != "object":
         return None
     if _has_ref(schema):
@@ -135,21 +139,21 @@ def _argument_form(schema: Any, rules: list[str], name: str) -> str | None:
         return None
     parts = []
     for i, (key, sub) in enumerate(props.items()):
-        alts = _value_alternatives(sub, rules, f"{name}_{i}")
+        alts = _value_alternatives(sub, rules, f"{name}_{i}", s)
         if alts is None:
             if key in required:
                 return None
             continue
         rule = f"{name}_{i}"
         head = _lit(f'argument key="{_escape(key)}" type="')
-        rules.append(f"{rule}: <[{{o}}]> {head} ({' | '.join(alts)}) <[{{c}}]> \"argument\" <[{{s}}]>")
+        rules.append(f"{rule}: {o} {head} ({' | '.join(alts)}) {c} \"argument\" {s}")
         parts.append(rule if key in required else f"{rule}?")
     return " ".join(parts) if parts else '""'
 
 
 def answer_grammar(tok, *, thinking: bool, content_schema: dict | None = None, json_content: bool = False,
                    tools: Sequence[tuple[str, Any]] = (), calls: str = "auto", max_calls: int = MAX_CALLS,
-                   argument_form: bool = True) -> str:
+                   json_only: Collection[str] = ()) -> str:
     """The Lark grammar of an assistant answer (see the module's doc).
 
     ``thinking``: the generation prompt opened the think channel. ``json_content``: the
@@ -157,7 +161,7 @@ def answer_grammar(tok, *, thinking: bool, content_schema: dict | None = None, j
     ``tools``: [(name, JSON schema of its arguments)]; ``calls``: none (no tools block),
     auto (the model's choice; with a JSON response, either the JSON or an empty response
     and calls), required (an empty response, then calls); at most ``max_calls`` calls.
-    ``argument_form`` False leaves every tool the json form only."""
+    The tools named in ``json_only`` are given the json form only."""
     if calls not in CALLS:
         raise ValueError(f"calls must be one of {CALLS}, got {calls!r}")
     ids = {"o": tok.token_id(OPEN), "c": tok.token_id(CLOSE), "s": tok.token_id(SEP)}
@@ -171,7 +175,7 @@ def answer_grammar(tok, *, thinking: bool, content_schema: dict | None = None, j
     else:
         content = "TEXT"
     if tools and calls != "none":
-        rules += _tools_rules(tools, max(1, min(int(max_calls), MAX_CALLS)), argument_form, (o, c, s))
+        rules += _tools_rules(tools, max(1, min(int(max_calls), MAX_CALLS)), set(json_only), (o, c, s))
         if calls == "required":
             body = f"{close_resp} tools"
         elif json_content:
@@ -182,17 +186,17 @@ def answer_grammar(tok, *, thinking: bool, content_schema: dict | None = None, j
         body = f"{content} {close_resp}"
     think = f'TEXT {c} "think" {s} {o} "response" {s} ' if thinking else ""
     start = f'start: {think}{body} {c} "message" {s}'
-    return "\n".join([start] + rules).replace("<[{o}]>", o).replace("<[{c}]>", c).replace("<[{s}]>", s) + "\n"
+    return "\n".join([start] + rules) + "\n"
 
 
-def _tools_rules(tools, max_calls: int, argument_form: bool, tags) -> list[str]:
+def _tools_rules(tools, max_calls: int, json_only: set, tags) -> list[str]:
     o, c, s = tags
     rules = [f'tools: {o} "tools" {s} calls1 {c} "tools" {s}']
-    for i, (_, schema) in enumerate(tools):
+    for i, (name, schema) in enumerate(tools):
         schema = schema if isinstance(schema, dict) else {"type": "object"}
         rules.append(f"json{i}: %json {json.dumps(schema, ensure_ascii=False)}")
         alts = [f'{o} "json type=\\"object\\"" {s} json{i} {c} "json" {s}']
-        args = _argument_form(schema, rules, f"arg{i}") if argument_form else None
+        args = None if name in json_only else _argument_form(schema, rules, f"arg{i}", tags)
         if args is not None:
             alts.append(args)
         rules.append(f"args{i}: {' | '.join(alts)}")

@@ -145,10 +145,10 @@ def test_json_response_or_calls(tok):
     assert kinds == {"json", "calls"} and ended >= 15
 
 
-def _answer_tokens(tok, history, thinking):
+def _answer_tokens(tok, history, thinking, declared=TOOLS):
     """The tokens of the last (assistant) message of ``history`` after the generation
     prompt, as render_k3 writes them (its <|end_of_msg|> included)."""
-    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS]
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in declared]
     full = tok.encode_segments(render_k3(history, tools, thinking=thinking, add_generation_prompt=False))
     head = tok.encode_segments(render_k3(history[:-1], tools, thinking=thinking, add_generation_prompt=True))
     assert full[:len(head)] == head
@@ -183,6 +183,56 @@ def test_a_schema_the_argument_form_cannot_say_leaves_the_json_form(tok):
     assert "arg0_" not in g and "json0" in g
     g = answer_grammar(tok, thinking=False, tools=[TOOLS[0]], calls="required")
     assert "arg0_0" in g and "arg0_1" in g
-    g = answer_grammar(tok, thinking=False, tools=[TOOLS[0]], calls="required", argument_form=False)
+    g = answer_grammar(tok, thinking=False, tools=[TOOLS[0]], calls="required", json_only={"get_weather"})
     assert "arg0_" not in g
 
+
+def _takes(tok, grammar, ids) -> bool:
+    """Whether the grammar allows the answer ``ids`` (ending with the end token)."""
+    end = tok.token_id(END_OF_MSG)
+    con = lark_constraint(tok, grammar, [end], _vocab(tok), "test")
+    for t in ids:
+        if con.mask(torch.zeros(_vocab(tok)))[t] != 0:
+            return False
+        if t != end:
+            con.accept(t)
+    return True
+
+
+def test_argument_blocks_keep_every_keyword_and_any_key(tok):
+    """An enum with other keywords keeps them all (an enum value below the minimum is
+    refused in the argument blocks as in the json block); a key holding what looks like
+    a grammar's token reference is written as the text it is."""
+    odd = "a<[{s}]>b"
+    declared = [("pick", {"type": "object", "required": ["n", odd],
+                          "properties": {"n": {"type": "integer", "enum": [1, 5], "minimum": 3},
+                                         odd: {"type": "string"}}})]
+    user = {"role": "user", "content": "Pick."}
+
+    def answer(n):
+        call = {"type": "function", "function": {"name": "pick", "arguments": {"n": n, odd: "x"}}}
+        return _answer_tokens(tok, [user, {"role": "assistant", "content": "", "tool_calls": [call]}], False,
+                              declared)
+    g = answer_grammar(tok, thinking=False, tools=declared, calls="auto")
+    assert _takes(tok, g, answer(5))
+    assert not _takes(tok, g, answer(1))
+
+
+def test_argument_values_come_back_as_strict_json(tok):
+    """A number the grammar allows but Python reads as infinity (1e400) comes back as
+    written, so the arguments stay strict JSON; a value that is not JSON comes back as a
+    string."""
+    from k3.chat_format import close_tag, open_tag
+    segs = open_tag("tools") + open_tag("call", [("tool", "t"), ("index", 1)])
+    for key, kind, text in (("x", "number", "1e400"), ("y", "number", "NaN"), ("z", "array", "[1, 2]")):
+        segs += open_tag("argument", [("key", key), ("type", kind)]) + [(text, False)] + close_tag("argument")
+    segs += close_tag("call") + close_tag("tools")
+    parser = XTMLToolCalls(tok)
+    for t in tok.encode_segments(segs):
+        parser.feed(t)
+    args = parser.calls[0]["function"]["arguments"]
+
+    def strict(name):
+        raise ValueError(name)
+    assert json.loads(args, parse_constant=strict) == {"x": float("inf"), "y": "NaN", "z": [1, 2]}
+    assert "1e400" in args

@@ -28,5 +28,9 @@ def test_the_mask_kernel_equals_llguidances(vocab):
         got = masked_copy(x, bm, out)
         assert got.shape == x.shape and got.dtype == torch.float32
         assert torch.equal(got.reshape(-1), ref.reshape(-1))
+    wide = torch.randn(vocab + 40, generator=g)   # logits past the mask's words: not allowed
+    ref = wide.reshape(1, -1).clone()
+    lt.apply_token_bitmask_inplace(ref, bm)
+    assert torch.equal(masked_copy(wide, bm, np.empty(vocab + 40, dtype=np.float32)), ref.reshape(-1))
     with pytest.raises(ValueError):
         masked_copy(torch.zeros(vocab), bm, np.empty(vocab + 1, dtype=np.float32))

@@ -746,6 +746,19 @@ def test_calls_the_model_chooses_are_valid_calls(srv, k3dir):
         none = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=300, temperature=0.9,
                                          seed=seed, logit_bias=push, tool_choice="none").choices[0].message
         assert len(one.tool_calls or []) <= 1 and not none.tool_calls
+    # a tool schema the grammar engine cannot take (uniqueItems): served, that tool's arguments any object;
+    # named, or a response_format schema it cannot take: 400 naming the field
+    odd = [{"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}] + TOOLS
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=odd, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="tag"):
+        c.chat.completions.create(model="tiny", messages=msgs, tools=odd, max_tokens=8,
+                                  tool_choice={"type": "function", "function": {"name": "tag"}})
+    bad_rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, response_format=bad_rf)
+    assert e.value.body.get("param") == "response_format"
 
 
 def test_logit_bias(srv, k3dir):
@@ -757,7 +770,8 @@ def test_logit_bias(srv, k3dir):
     t = tok.encode(" the")[0]
     r = c.completions.create(model="tiny", prompt="Once", max_tokens=5, temperature=0, logit_bias={str(t): 100})
     assert r.choices[0].text == tok.decode([t] * 5)
-    for bias in ({str(t): 101}, {"99999999": 1}, {"x": 1}):
+    for bias in ({str(t): 101}, {"99999999": 1}, {"x": 1}, {"05": 1}, {" 5": 1}, {"\u00b2": 1}, {"9" * 5000: 1},
+                 {str(t): 10 ** 400}, {str(t): True}):
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model="tiny", prompt="Once", max_tokens=2, logit_bias=bias)
 

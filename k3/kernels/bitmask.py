@@ -20,6 +20,7 @@ _CACHE_PREV = _cache_enter()   # the kernels are cached in k3.kernels.kcache.fol
 def _masked_copy(x, words, out):
     n = x.shape[0]
     out[:] = x   # one straight copy, then the words not all allowed (free text: few)
+    out[min(n, words.shape[0] * 32):] = -np.inf   # tokens past the mask's words: not allowed
     for w in range(min(words.shape[0], (n + 31) // 32)):
         bits = words[w]
         if bits == -1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import re
 import secrets
@@ -22,6 +23,8 @@ from ..answer_grammar import MAX_CALLS, answer_grammar
 from ..chat_format import CLOSE, OPEN, SEP, THINKING_EFFORTS, AnswerParser, K3Format, render_k3
 from ..errors import K3Error
 from ..tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger("k3.serve")
 
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -155,12 +158,13 @@ def logit_bias(body: dict, ctx: ModelContext) -> tuple | None:
     import torch
     ids, values = [], []
     for k, v in lb.items():
-        tid = int(k) if isinstance(k, str) and k.strip().isdigit() else None
-        if tid is None or tid >= ctx.cfg.vocab_size:
-            raise bad(f"'logit_bias' key {k!r} is not a token id of this model (0 to {ctx.cfg.vocab_size - 1}).",
-                      "logit_bias", "invalid_value")
-        if not _is_num(v) or not -100 <= v <= 100:
-            raise bad(f"'logit_bias' value for token {k} must be a number from -100 to 100, got {v!r}.",
+        canonical = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 and str(int(k)) == k
+        if not canonical or int(k) >= ctx.cfg.vocab_size:
+            raise bad(f"'logit_bias' key {str(k)[:40]!r} is not a token id of this model (0 to "
+                      f"{ctx.cfg.vocab_size - 1}, written without leading zeros).", "logit_bias", "invalid_value")
+        tid = int(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' value for token {k} must be a number from -100 to 100.",
                       "logit_bias", "invalid_value")
         ids.append(tid)
         values.append(float(v))
@@ -446,8 +450,11 @@ def _constraint(body: dict, fmt, ctx: ModelContext, thinking: bool):
     auto: the model's choice; required or a named function: a call at once), each call's
     arguments valid against its tool's parameters; at most one call when
     ``parallel_tool_calls`` is false or a function is named. Other chat formats: a JSON
-    response_format only. Then the format's end token."""
-    from ..constrain import lark_constraint
+    response_format only. Then the format's end token.
+
+    A tool schema the grammar engine cannot take: 400 when the request names that
+    tool; else its calls' arguments are any JSON object (logged). A response_format
+    schema it cannot take: 400."""
     tools, tool_choice, response_format = body.get("tools"), body.get("tool_choice"), body.get("response_format")
     json_content = _json_format(response_format)
     forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
@@ -469,18 +476,43 @@ def _constraint(body: dict, fmt, ctx: ModelContext, thinking: bool):
               content_schema=_schema(response_format) if json_content else None, tools=chosen,
               calls="required" if forced else "none" if tool_choice == "none" else "auto",
               max_calls=1 if single else MAX_CALLS)
-    what = "a tool's parameters schema" if chosen else "the JSON schema"
     try:
+        return _answer_constraint(ctx, fmt, kw)
+    except K3Error:   # find what the grammar engine refused
+        pass
+    if json_content:
         try:
-            return lark_constraint(ctx.tokenizer, answer_grammar(ctx.tokenizer, **kw), fmt.stop_ids,
-                                   ctx.cfg.vocab_size, what)
-        except K3Error:   # a schema the argument form mis-reads: the json form alone says it
-            if not chosen:
-                raise
-            return lark_constraint(ctx.tokenizer, answer_grammar(ctx.tokenizer, argument_form=False, **kw),
-                                   fmt.stop_ids, ctx.cfg.vocab_size, what)
+            _answer_constraint(ctx, fmt, dict(kw, tools=[], calls="none"))
+        except K3Error as e:
+            raise bad(str(e), "response_format", "invalid_value") from None
+    json_only, loose = set(), []
+    for tname, schema in chosen:
+        alone = dict(kw, thinking=False, json_content=False, tools=[(tname, schema)], calls="required", max_calls=1)
+        for only in ((), (tname,)):
+            try:
+                _answer_constraint(ctx, fmt, dict(alone, json_only=only))
+                json_only.update(only)
+                break
+            except K3Error as e:
+                err = e
+        else:   # the engine cannot take the schema itself
+            if name is not None:
+                raise bad(f"tool {tname!r}: {err}", "tools", "invalid_value") from None
+            loose.append(tname)
+    if loose:
+        log.warning("k3 serve: the grammar engine cannot take the parameters of %s; their calls' arguments are "
+                    "constrained to a JSON object only", ", ".join(repr(n) for n in loose))
+    kw["tools"] = [(n, {"type": "object"} if n in loose else s) for n, s in chosen]
+    try:
+        return _answer_constraint(ctx, fmt, dict(kw, json_only=json_only | set(loose)))
     except K3Error as e:
-        raise bad(str(e), "tools" if chosen else "response_format", "invalid_value") from None
+        raise bad(str(e), "tools", "invalid_value") from None
+
+
+def _answer_constraint(ctx: ModelContext, fmt, kw: dict):
+    from ..constrain import lark_constraint
+    return lark_constraint(ctx.tokenizer, answer_grammar(ctx.tokenizer, **kw), fmt.stop_ids, ctx.cfg.vocab_size,
+                           "the answer's grammar")
 
 
 def _schema(response_format: dict) -> dict | None:
@@ -704,13 +736,21 @@ def _unescape(v: str) -> str:
 _ATTR = re.compile(r'([A-Za-z_][\w.-]*)="([^"]*)"')
 
 
-def _arg_from_text(text: str, kind: str | None):
-    if kind in (None, "string"):
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _arg_json(text: str, kind: str | None) -> str:
+    """An argument block's value as JSON text: a string's raw text quoted; another type's
+    text as written when it is strict JSON (kept as written: 1e400 stays a number, not
+    Python's Infinity), else quoted as a string."""
+    if kind not in (None, "string"):
+        try:
+            json.loads(text, parse_constant=_not_json)
+            return text.strip()
+        except ValueError:
+            pass
+    return json.dumps(text, ensure_ascii=False)
 
 
 def new_call_id() -> str:
@@ -775,14 +815,15 @@ class XTMLToolCalls:
     def _close(self, tag: str) -> None:
         if tag == "argument" and self._arg is not None and self._call is not None:
             key, kind, data = self._arg
-            self._call["args"][key] = _arg_from_text(bytes(data).decode("utf-8", "replace"), kind)
+            self._call["args"][key] = _arg_json(bytes(data).decode("utf-8", "replace"), kind)
             self._arg = None
         elif tag == "json" and self._block is not None and self._call is not None:
             self._call["block"] = bytes(self._block).decode("utf-8", "replace")
             self._block = None
         elif tag == "call" and self._call is not None:
             c = self._call
-            args = c["block"] if c["block"] is not None else json.dumps(c["args"], ensure_ascii=False)
+            args = c["block"] if c["block"] is not None else \
+                "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in c["args"].items()) + "}"
             self.calls.append({"id": new_call_id(), "type": "function",
                                "function": {"name": c["name"], "arguments": args}})
             self._call = None
