@@ -51,6 +51,7 @@ def _llguidance(tok, vocab, tokens, seed, ends, make):
     them; decoded greedily on random logits until an end token or ``tokens``."""
     from k3 import constrain
     constrain._LL.pop(tok, None)
+    constrain._COMPILED.pop(tok, None)   # and its grammars compiled again
     t0 = time.perf_counter()
     constrain.prepare(tok, vocab, ends)
     t1 = time.perf_counter()

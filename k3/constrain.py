@@ -13,15 +13,20 @@ the model's.
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
+from . import env
 from .errors import UsageError
 
 _LL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Tokenizer -> {(vocab, ends): LLTokenizer}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Tokenizer -> {key: matcher or refusal}
+COMPILED_KEPT = 64   # compiled grammars kept per tokenizer (least recently used dropped)
 _LOCK = threading.Lock()
 
 
@@ -56,11 +61,17 @@ class Constraint:
         self._lt = llguidance.torch
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
         self._out: list = []   # the masked copies' buffers, one per row of a pass (masked_rows)
+        self._compiled = env.fused()   # the mask as one compiled pass (k3.kernels.bitmask)
 
     def mask(self, logits: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """(``slot``: which of the sequence's buffers the copy goes to; a copy stays
         valid until the next one into the same slot.)"""
         from .kernels.bitmask import masked_copy
+        if not self._compiled:   # K3_FUSED=0: llguidance's own torch mask (the same bits)
+            out = logits.reshape(1, -1).to(torch.float32, copy=True)
+            self._lt.fill_next_token_bitmask(self.m, self.bitmask, 0)
+            self._lt.apply_token_bitmask_inplace(out, self.bitmask)
+            return out.reshape(logits.shape)
         while slot >= len(self._out):
             self._out.append(np.empty(0, dtype=np.float32))
         if self._out[slot].shape[0] != logits.numel():
@@ -95,26 +106,42 @@ def json_constraint(tok, schema: dict | None, ends, vocab: int) -> Constraint:
     one of the tokens ``ends``. UsageError naming the problem for a schema the grammar
     engine cannot take."""
     import llguidance
-    return _constraint(tok, lambda: llguidance.LLMatcher.grammar_from_json_schema(
-        schema if schema is not None else {"type": "object"}), ends, vocab, "the JSON schema")
+    schema = schema if schema is not None else {"type": "object"}
+    return _constraint(tok, ("json", json.dumps(schema)),
+                       lambda: llguidance.LLMatcher.grammar_from_json_schema(schema), ends, vocab, "the JSON schema")
 
 
 def lark_constraint(tok, lark: str, ends, vocab: int, what: str) -> Constraint:
     """A constraint to a Lark grammar (llguidance's: ``<[id]>`` is one token, ``%json
     {schema}`` JSON valid against the schema), then one of the tokens ``ends``."""
     import llguidance
-    return _constraint(tok, lambda: llguidance.LLMatcher.grammar_from_lark(lark), ends, vocab, what)
+    return _constraint(tok, ("lark", lark), lambda: llguidance.LLMatcher.grammar_from_lark(lark), ends, vocab, what)
 
 
-def _constraint(tok, grammar, ends, vocab: int, what: str) -> Constraint:
+def _constraint(tok, key: tuple, grammar, ends, vocab: int, what: str) -> Constraint:
+    """A fresh copy of the matcher ``grammar()`` compiles, kept per tokenizer under
+    ``key`` (the grammar's text) with its refusal too: agents send the same tools with
+    every request, and a grammar with many tools takes milliseconds to compile."""
     import llguidance
     if tok is None:
         raise UsageError("constrained output needs the model's tokenizer (tiktoken.model).")
     ends = tuple(sorted({int(e) for e in ends}))
-    try:
-        m = llguidance.LLMatcher(_ll_tokenizer(tok, vocab, ends), grammar())
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise UsageError(f"{what} cannot be used to constrain the output: {e}") from None
-    if m.is_error():
-        raise UsageError(f"{what} cannot be used to constrain the output: {m.get_error()}")
-    return Constraint(m, vocab)
+    key = (vocab, ends) + key
+    with _LOCK:
+        cache = _COMPILED.setdefault(tok, OrderedDict())
+        got = cache.get(key)
+        if got is not None:
+            cache.move_to_end(key)
+    if got is None:
+        try:
+            m = llguidance.LLMatcher(_ll_tokenizer(tok, vocab, ends), grammar())
+            got = m.get_error() if m.is_error() else m
+        except (ValueError, TypeError, RuntimeError) as e:
+            got = str(e)
+        with _LOCK:
+            cache[key] = got
+            while len(cache) > COMPILED_KEPT:
+                cache.popitem(last=False)
+    if isinstance(got, str):
+        raise UsageError(f"{what} cannot be used to constrain the output: {got}")
+    return Constraint(got.deep_copy(), vocab)

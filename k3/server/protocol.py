@@ -485,8 +485,20 @@ def _constraint(body: dict, fmt, ctx: ModelContext, thinking: bool):
             _answer_constraint(ctx, fmt, dict(kw, tools=[], calls="none"))
         except K3Error as e:
             raise bad(str(e), "response_format", "invalid_value") from None
+    json_only, loose = _tool_forms(ctx, fmt, kw, name)
+    kw["tools"] = [(n, {"type": "object"} if n in loose else s) for n, s in chosen]
+    try:
+        return _answer_constraint(ctx, fmt, dict(kw, json_only=json_only | set(loose)))
+    except K3Error as e:
+        raise bad(str(e), "tools", "invalid_value") from None
+
+
+def _tool_forms(ctx: ModelContext, fmt, kw: dict, named: str | None) -> tuple[set, list]:
+    """Each tool's grammar alone: (the tools whose argument blocks the grammar engine
+    refuses: json block only, the tools whose schema it refuses: 400 when ``named``,
+    else logged)."""
     json_only, loose = set(), []
-    for tname, schema in chosen:
+    for tname, schema in kw["tools"]:
         alone = dict(kw, thinking=False, json_content=False, tools=[(tname, schema)], calls="required", max_calls=1)
         for only in ((), (tname,)):
             try:
@@ -496,17 +508,13 @@ def _constraint(body: dict, fmt, ctx: ModelContext, thinking: bool):
             except K3Error as e:
                 err = e
         else:   # the engine cannot take the schema itself
-            if name is not None:
+            if named is not None:
                 raise bad(f"tool {tname!r}: {err}", "tools", "invalid_value") from None
             loose.append(tname)
     if loose:
         log.warning("k3 serve: the grammar engine cannot take the parameters of %s; their calls' arguments are "
                     "constrained to a JSON object only", ", ".join(repr(n) for n in loose))
-    kw["tools"] = [(n, {"type": "object"} if n in loose else s) for n, s in chosen]
-    try:
-        return _answer_constraint(ctx, fmt, dict(kw, json_only=json_only | set(loose)))
-    except K3Error as e:
-        raise bad(str(e), "tools", "invalid_value") from None
+    return json_only, loose
 
 
 def _answer_constraint(ctx: ModelContext, fmt, kw: dict):
