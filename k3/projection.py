@@ -13,15 +13,16 @@ come from rates measured here, or given:
 
 A pass of T tokens takes the longer of
 
-  the ring  streamed trunk / sequential rate: the ring's reader threads read the trunk
-            ahead, across layer boundaries, while the rest of the pass runs
-  the rest  trunk bytes / BF16 rate (the math)
-            + missed experts / random rate + distinct experts' bytes / MXFP4 rate
-              (a layer's experts are read, then multiplied)
-            + streamed lm_head / sequential rate + lm_head bytes x T / BF16 rate
+  the drive  every byte the pass reads at the drive's rates: streamed trunk and lm_head
+             / sequential rate + missed experts / random rate (one drive, one rate: reads
+             that share a drive share its rate; shards spread over several drives with
+             --model-dirs divide it)
+  the chain  what the math waits for: trunk bytes / BF16 rate + missed experts / random
+             rate + distinct experts' bytes / MXFP4 rate (a layer's experts are known once
+             it has routed, read, then multiplied) + streamed lm_head / sequential rate +
+             lm_head bytes x T / BF16 rate (a chunk is read, then multiplied)
 
-and a token T times less. (The ring's reads and the lm_head's run side by side: the drive serves the two together
-faster than either alone, docs/PERFORMANCE.md "At K3's expert pool".) A projected plan holds a 4,096-position context and reads prompts
+and a token T times less: only the ring's reads overlap compute. A projected plan holds a 4,096-position context and reads prompts
 in pieces of 64 tokens a sequence. Speculation is projected at a stated acceptance per draft,
 reading the drafts that give the most tokens per second (as the decode loop does).
 Nothing here allocates the model; the released K3's shapes come from the synthetic
@@ -53,6 +54,7 @@ class Rates:
     bf16: float
     mxfp4: float
     source: str = ""
+    drives: int = 1  # drives the shards are spread over evenly (--model-dirs), each at these rates
 
 
 @dataclass
@@ -128,21 +130,35 @@ def calibrate(seconds: float = 3.0) -> tuple[float, float]:
 
 
 def _times(shape, sizes, rates: Rates, groups, hit: float | None = None) -> tuple[float, float, dict]:
-    """(bytes, seconds, parts) of one pass of ``groups`` under a plan's PassShape."""
+    """(bytes, seconds, parts) of one pass of ``groups`` under a plan's PassShape.
+
+    One drive, one rate: every read of a pass - the ring's, the missed experts', the
+    streamed lm_head's - shares the drive (or the ``rates.drives`` drives the shards are
+    spread over), so a pass takes at least its bytes at the drive's rates. Only compute
+    overlaps reads: the ring reads ahead while the math runs; a layer's missed experts
+    are known only once it has routed, so the math waits for them; a streamed lm_head
+    chunk is read, then multiplied (one buffer)."""
     from .memory.passcost import pass_bytes, union, distinct
 
     T = sum(groups)
     per_seq = [distinct(n, sizes.top_k, sizes.experts) for n in groups]
     d = union(per_seq, sizes.experts) if len(per_seq) > 1 else per_seq[0]
     h = shape.uniform_hit if hit is None else hit
+    drives = max(1, rates.drives)
     miss = shape.moe_layers * d * (1 - h) * shape.expert_bytes
-    ring = shape.streamed_trunk_bytes / rates.seq
+    ring_read = shape.streamed_trunk_bytes / rates.seq / drives
+    expert_read = miss / rates.random / drives
+    head_read = shape.table_bytes / rates.seq / drives
+    drive_s = ring_read + expert_read + head_read
     math_s = sizes.trunk_bytes / rates.bf16
-    experts = miss / rates.random + shape.moe_layers * d * shape.expert_bytes / rates.mxfp4
-    tables = shape.table_bytes / rates.seq + sizes.head_bytes * T / rates.bf16
+    expert_math = shape.moe_layers * d * shape.expert_bytes / rates.mxfp4
+    head_math = sizes.head_bytes * T / rates.bf16
+    chain = math_s + expert_read + expert_math + head_read + head_math
     b = pass_bytes(shape, groups, hit=hit)
-    return b, max(ring, math_s + experts + tables), {"ring_s": ring, "trunk_math_s": math_s, "experts_s": experts,
-                                                     "tables_s": tables, "expert_read_bytes": miss}
+    return b, max(drive_s, chain), {"drive_s": drive_s, "compute_chain_s": chain, "ring_s": ring_read,
+                                     "trunk_math_s": math_s, "expert_read_s": expert_read,
+                                     "expert_math_s": expert_math, "tables_read_s": head_read,
+                                     "tables_math_s": head_math, "expert_read_bytes": miss}
 
 
 def project(cfg, sizes, rates: Rates, ram_gb, *, baseline: int, acceptance: float = DEFAULT_ACCEPTANCE,

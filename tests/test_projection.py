@@ -32,10 +32,11 @@ def test_the_released_k3s_sizes(k3_release):
     assert sizes.moe_layers * sizes.top_k * sizes.expert_bytes == pytest.approx(25.83e9, rel=2e-3)
 
 
-def test_projected_reads_never_exceed_the_c_engines(k3_release):
+@pytest.mark.parametrize("baseline_gb", [0.5, 0.85, 1.2, 2.0])
+def test_projected_reads_never_exceed_the_c_engines(k3_release, baseline_gb):
     cfg, sizes = k3_release
     rates = pj.Rates(seq=4.6e9, random=4.6e9, bf16=30e9, mxfp4=25e9)
-    rows = pj.project(cfg, sizes, rates, [8, 16, 32, 64, 128, 224], baseline=int(1.2e9))
+    rows = pj.project(cfg, sizes, rates, [8, 16, 32, 64, 128, 224], baseline=int(baseline_gb * 1e9))
     assert all(r.fits for r in rows)
     gb = [r.plain_gb_per_token * 1e9 for r in rows]
     assert gb == sorted(gb, reverse=True)  # more memory never reads more
@@ -54,6 +55,54 @@ def test_projected_reads_never_exceed_the_c_engines(k3_release):
     assert r8.plain_s_per_token >= (sizes.trunk_bytes - r8.pinned_gb * 1e9) / 4.6e9
     # speculation at 70 %: fewer seconds a token where reads dominate
     assert r8.spec_drafts >= 1 and r8.spec_s_per_token < r8.plain_s_per_token
+    # one drive, one rate: no row reads its bytes faster than the drive gives them
+    for r in rows:
+        assert r.plain_s_per_token >= r.plain_gb_per_token * 1e9 / 4.6e9 * (1 - 1e-9)
+        assert r.spec_s_per_token >= r.spec_gb_per_token * 1e9 / 4.6e9 * (1 - 1e-9)
+        if r.batch_s_per_token:
+            assert r.batch_s_per_token >= r.batch_gb_per_token * 1e9 / 4.6e9 * (1 - 1e-9)
+
+
+def test_one_drive_one_rate_and_drives_divide_it(k3_release):
+    """Reads that share a drive share its rate; the shards spread over two drives halve
+    the drive's share of a pass, and compute still bounds it from below."""
+    cfg, sizes = k3_release
+    one = pj.Rates(seq=4.6e9, random=4.6e9, bf16=30e9, mxfp4=25e9)
+    two = pj.Rates(seq=4.6e9, random=4.6e9, bf16=30e9, mxfp4=25e9, drives=2)
+    r1, = pj.project(cfg, sizes, one, [8], baseline=int(1.2e9))
+    r2, = pj.project(cfg, sizes, two, [8], baseline=int(1.2e9))
+    assert r1.plain_gb_per_token == r2.plain_gb_per_token
+    assert r1.parts["drive_s"] == pytest.approx(r1.plain_gb_per_token * 1e9 / 4.6e9, rel=1e-9)
+    assert r2.parts["drive_s"] == pytest.approx(r1.parts["drive_s"] / 2, rel=1e-9)
+    assert r2.plain_s_per_token == pytest.approx(max(r2.parts["drive_s"], r2.parts["compute_chain_s"]), rel=1e-9)
+    assert r2.plain_s_per_token >= r2.parts["trunk_math_s"] + r2.parts["expert_read_s"]
+
+
+@pytest.mark.parametrize("baseline_gb,step", [(0.5, 1), (2.0, 7)])
+def test_more_memory_never_plans_more_bytes(k3_release, baseline_gb, step):
+    """auto at K3's config, 6 to 256 GB in 0.1 GB steps (0.7 GB steps for the second
+    baseline): the bytes read per token never rise (for one sequence, and priced for
+    batch 8)."""
+    from k3.memory import planner
+    from k3.units import GB
+
+    cfg, sizes = k3_release
+    for seqs in (1, 8):
+        prev = None
+        for tenth in range(60, 2561, step):
+            b = planner.Budgets(preset="auto", trunk="(packed)")
+            try:
+                p = planner.plan(cfg, sizes, b, tokens=4096, incremental=True, available=int(tenth / 10 * GB),
+                                 baseline=int(baseline_gb * 1e9), sequences=seqs, spec=4 if seqs == 1 else 0,
+                                 prefill_tokens=64 * seqs)
+                p.check()
+            except Exception:
+                assert prev is None, f"{tenth / 10} GB fits no plan, a smaller size did"
+                continue
+            if prev is not None:
+                assert p.read_per_token <= prev[1], f"{prev[0]} GB plans {prev[1]}, {tenth / 10} GB {p.read_per_token}"
+            prev = (tenth / 10, p.read_per_token)
+        assert prev is not None
 
 
 def test_doctor_project_prints_and_reports_the_table(tmp_path):

@@ -21,6 +21,7 @@ GB here are decimal (1e9 bytes), as in the C engine's tables. Nothing here impor
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -413,6 +414,32 @@ def plan_trunk(layer_bytes: list[int], budget_bytes: int, ring: int = 2, order: 
     return TrunkPlan(sorted(pinned), k, slot, pinned_bytes, total, msg, order, B, arena, len(a))
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan_trunk_memo(layer_bytes: tuple, budget_bytes: int, ring: int, order: str) -> TrunkPlan:
+    """plan_trunk for the planner's candidates (the same budgets recur across plans:
+    auto's sweep, a pipeline's stages, `k3 doctor --project`'s memory sizes). A refusal
+    is not cached: it raises each time."""
+    return plan_trunk(list(layer_bytes), budget_bytes, ring, order)
+
+
+@functools.lru_cache(maxsize=64)
+def trunk_ladder(layer_bytes: tuple, ring: int, order: str = "largest") -> tuple[int, ...]:
+    """Every trunk plan the pin order can make, as the budget each needs (its pinned
+    layers plus its ring slots), from the whole trunk down to one slot: each step asks
+    plan_trunk for the best plan one byte below the last one's need. The planner tries
+    each rung that fits, so memory added never takes a plan away (more memory, never
+    more bytes read)."""
+    a = [align_up(int(x)) for x in layer_bytes]
+    floor = min_budget_for(a, 1, order)
+    out, t = [], sum(a) - 1
+    while t >= floor:
+        tp = _plan_trunk_memo(tuple(a), t, ring, order)
+        need = tp.pinned_bytes + tp.ring_slots * tp.slot_bytes
+        out.append(need)
+        t = min(t, need) - ALIGN
+    return tuple(sorted(set(out)))
+
+
 # ====================================================================== the expert cache
 def expert_cache_slots(sizes: ModelSizes, budget_bytes: int) -> int:
     """Slots an expert cache of ``budget_bytes`` has: ``budget // slot_bytes``, capped at
@@ -664,7 +691,7 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
         notes.append("note: --trunk-gb has no effect without --trunk (the trunk is held in RAM)")
 
     def trunk_plan(t):
-        return plan_trunk(list(sizes.layer_bytes), t, budgets.trunk_ring, pin_order) if streaming else None
+        return _plan_trunk_memo(tuple(sizes.layer_bytes), t, budgets.trunk_ring, pin_order) if streaming else None
 
     candidates = []  # (bytes/token, -trunk budget, stream_tables, trunk budget, cache budget, TrunkPlan)
     for stream_tables in table_choices:
@@ -680,8 +707,10 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
             if trunk_cap is not None:
                 top = min(top, max(trunk_cap, min_budget_for(list(sizes.layer_bytes), 1, pin_order)))
             one_slot = min_budget_for(list(sizes.layer_bytes), 1, pin_order)
-            trunk_sizes = sorted({t for t in (top, min_budget_for(list(sizes.layer_bytes), 2, pin_order),
-                                              one_slot) if one_slot <= t <= top})
+            # every pinned set the pin order passes through (not only the largest one that
+            # fits), so that memory added never takes a plan away: more memory, never more bytes
+            steps = trunk_ladder(tuple(sizes.layer_bytes), budgets.trunk_ring, pin_order)
+            trunk_sizes = sorted({t for t in (top, *steps) if one_slot <= t <= top})
             # the same pinned set for less budget leaves the rest to the cache
             more = set()
             for t in trunk_sizes:
