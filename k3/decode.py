@@ -283,7 +283,8 @@ class Batch:
         dt = time.perf_counter() - t0
         d = self._io_delta()
         if eng.pass_cost is not None:
-            eng.pass_cost.observe([len(b) for b in blocks], dt, d)
+            decode = all(r.emitted and len(p) == 1 and len(r.reading) == 1 for r, p in zip(active, pieces))
+            eng.pass_cost.observe([len(b) for b in blocks], dt, d, decode=decode)
         out = []
         for r, blk, w, snap in zip(active, blocks, where, snaps):
             r.reading = r.reading[len(blk) - len(r.drafts):]

@@ -581,6 +581,10 @@ def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float 
                 rep.data.setdefault("storage_dirs", {})[str(d)] = other.as_dict()
     preset, resident = estimate(rep, mem, facts, res)
     if project is not None:
+        if model_p is not None and model_dirs:
+            from .probe import block_device
+
+            project = dict(project, drives=len({block_device(d)[0] for d in (model_p, *model_dirs)}))
         projection(rep, facts, res, project)
     next_steps(rep, model_p, facts, preset, resident)
     return rep
@@ -610,7 +614,10 @@ def projection(rep: Report, facts: ModelFacts | None, probe, opts: dict) -> None
         lines.append("no storage rate: run the probe (without --no-probe) or give --disk-gbps")
         return
     bf16, mx = pj.calibrate()
-    rates = pj.Rates(seq, rnd, bf16, mx, f"{src}; kernels measured here")
+    drives = int(opts.get("drives") or 1)
+    if drives > 1:
+        src += f"; the shards spread over {drives} drives (--model-dirs), each at this rate"
+    rates = pj.Rates(seq, rnd, bf16, mx, f"{src}; kernels measured here", drives=drives)
     rows = pj.project(cfg, sizes, rates, opts["ram"], baseline=baseline_bytes() + KERNELS_BYTES,
                       acceptance=opts["acceptance"], trunk_gb=opts.get("trunk_gb"), cache_gb=opts.get("cache_gb"))
     lines.extend(pj.render(rows, what, rates, opts["acceptance"]))

@@ -26,7 +26,7 @@ MAX_DRAFT = 8
 # The acceptance a draft position starts at, worth PRIOR_WEIGHT drafts; later drafts
 # weigh more, at DECAY per scored draft, so the estimate follows the text.
 PRIOR = 0.5
-PRIOR_WEIGHT = 2.0
+PRIOR_WEIGHT = 1.0
 DECAY = 0.8
 
 

@@ -160,8 +160,22 @@ def test_on_k3s_pool_wrong_drafts_stop_and_tokens_stay_plain(pool_model):
         drafted, withheld = sum(s.drafted for s in steps), sum(s.withheld for s in steps)
         assert sum(s.accepted for s in steps) == 0 and withheld > 2 * drafted
         assert withheld + drafted >= 4 * 20  # a draft was offered at almost every pass
-        # drafts priced as free (a streamed trunk's regime): the right corpus is read and kept
-        eng.pass_cost.seconds = lambda groups: 1.0
-        right = list(eng.decode(PROMPT, max_tokens=32, spec=4, spec_corpus=NgramIndex(full)))
-        assert [s.token for s in right] == want
-        assert sum(s.accepted for s in right) > 16 and len({s.pass_index for s in right}) < 16
+
+
+def test_on_k3s_pool_right_drafts_are_read_with_real_timings(pool_model):
+    """The policy with its own clock (no forced drafts, no constant prices), in a fresh
+    engine whose prompt pass ran cold: a corpus holding the continuation is read - pass
+    sizes it has not timed on decode passes are tried, not priced from the prefill - and
+    a corpus whose first 2 of 4 drafted tokens are right is read up to what pays."""
+    with open_engine(pool_model, spec=4, max_context=200, cache_gb=0.0008) as eng:
+        want = [s.token for s in eng.decode(PROMPT, max_tokens=32)]
+    full = PROMPT + want
+    half = NgramIndex([t for i in range(len(PROMPT), len(full) - 4)
+                       for t in full[i - 4:i + 2] + [full[i + 2] + 1, full[i + 3] + 1]])
+    for corpus, per_pass in ((NgramIndex(full), 2.0), (half, 1.4)):
+        with open_engine(pool_model, spec=4, max_context=200, cache_gb=0.0008) as eng:
+            steps = list(eng.decode(PROMPT, max_tokens=32, spec=4, spec_corpus=corpus))
+            assert [s.token for s in steps] == want
+            passes = len({s.pass_index for s in steps})
+            assert len(steps) / passes >= per_pass, (len(steps), passes, eng.pass_cost.as_dict())
+            assert eng.pass_cost.as_dict()["prefill_seconds_outside_expert_reads"]  # timed apart from decode

@@ -20,7 +20,12 @@ passes, the fraction of requested experts the cache held, the expert reads' rate
 the seconds of a pass outside its expert reads, per number of tokens (a pass of more
 than one token may take another code path than one token's, so its time is not a
 straight line from one token's: between two timed sizes it is interpolated, past the
-largest it grows by SLOPE_PRIOR of a one-token pass per token).
+largest it grows by SLOPE_PRIOR of a one-token pass per token). Only decode passes
+(each sequence reading its last token and its drafts) time the sizes that price drafts:
+a prompt piece runs cold and through other code. A size not timed within the last STALE
+decode passes is priced at its lower bound - what a freshly timed smaller pass took -
+so that drafts which would pay even there are read, and the size is timed again: the
+policy re-prices a pass size by trying it, never from an old or a prefill's time.
 
 The model knows nothing of the math; it sees per pass the tokens per sequence, the
 seconds, and the cache's counters (distinct experts requested summed over the MoE
@@ -41,6 +46,12 @@ DECAY = 0.9
 # pass outside its expert reads (batch 8 of the small model took ~1.8x one token's time).
 SLOPE_PRIOR = 0.1
 MAX_TIMED = 64  # passes of more tokens (long prefill pieces) are not kept in the table
+# A pass size whose last decode timing is older than this many decode passes is priced
+# at its lower bound (what the largest fresh smaller size costs), so a size that would
+# pay at that price is read, and so timed again: drafts are never locked out by an old
+# or cold timing.
+STALE = 16
+RECENT = 4  # a pass size's time: the least of its last RECENT decode passes
 
 
 def distinct(T: float, k: int, pool: float) -> float:
@@ -101,6 +112,25 @@ class _Running:
         return self.sum / self.weight if self.weight else None
 
 
+class _Recent:
+    """The least of the last RECENT observations of a pass's time: a pass's time is its
+    cost plus whatever else held the cores (another process, a cold first call), so the
+    least of a few recent passes of one size tracks its cost, and follows a change
+    within RECENT passes."""
+
+    def __init__(self):
+        self.last: list[float] = []
+        self.n = 0
+
+    def add(self, x: float) -> None:
+        self.last = (self.last + [x])[-RECENT:]
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        return min(self.last)
+
+
 @dataclass(frozen=True)
 class PassShape:
     """What a pass's cost depends on: the plan's constants."""
@@ -144,8 +174,11 @@ class PassCost:
         self._seq_pool = _Running(math.log(shape.experts))
         self._batch_pool = _Running(math.log(shape.experts))
         self.rate = _Running(None)  # expert bytes per second of expert reads
-        self.outside: dict[int, _Running] = {}  # tokens in a pass -> its seconds outside expert reads
+        self.outside: dict[int, _Running] = {}  # tokens in a decode pass -> its seconds outside expert reads
+        self.seen: dict[int, int] = {}  # tokens in a decode pass -> the decode pass that last timed it
+        self.prefill: dict[int, _Running] = {}  # the same for passes that read prompt pieces (not drafts' prices)
         self.passes = 0
+        self.decode_passes = 0
 
     @property
     def seq_pool(self) -> float:
@@ -180,8 +213,19 @@ class PassCost:
 
     @property
     def timed(self) -> bool:
-        """Whether a pass has been timed (seconds() predicts nothing before)."""
+        """Whether a decode pass has been timed (seconds() predicts nothing before)."""
         return bool(self.outside)
+
+    def fresh(self, T: int) -> bool:
+        """Whether a decode pass of T tokens was timed twice (a first pass of a size may
+        run cold), the last time within the last STALE decode passes."""
+        return (T in self.seen and self.outside[T].n >= 2 and self.decode_passes - self.seen[T] < STALE)
+
+    def _lower_bound(self, T: int) -> float | None:
+        """The least a pass of T tokens can cost outside its expert reads: the most a
+        freshly timed pass of no more tokens took (a pass costs no less for more tokens)."""
+        below = [self.outside[n].value for n in self.outside if n <= T and self.fresh(n)]
+        return max(below) if below else None
 
     def outside_seconds(self, T: int) -> float | None:
         """A pass of T tokens' seconds outside its expert reads: as timed, else
@@ -207,19 +251,28 @@ class PassCost:
 
     def seconds(self, groups: Sequence[int]) -> float | None:
         """Predicted seconds of a pass: its time outside expert reads, plus its expert
-        bytes at the reads' rate."""
-        base = self.outside_seconds(max(1, sum(groups)))
+        bytes at the reads' rate. A size not timed lately on a decode pass is priced at
+        its lower bound (:meth:`_lower_bound`), so the decode loop tries it when it would
+        pay even there, and its price is then measured, not guessed."""
+        T = max(1, sum(groups))
+        base = None if self.fresh(T) else self._lower_bound(T)
+        if base is None:
+            base = self.outside_seconds(T)
         if base is None:
             return None
         rate = self.rate.value
         return base + (self.expert_bytes(groups) / rate if rate else 0.0)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, groups: Sequence[int], seconds: float, counters: dict) -> None:
+    def observe(self, groups: Sequence[int], seconds: float, counters: dict, decode: bool = True) -> None:
         """One pass that ran: tokens per sequence, its seconds, and the cache's counter
         deltas over it (``expert_requests`` = distinct experts summed over MoE layers,
-        ``expert_hits``, ``expert_bytes_read``, ``expert_read_seconds``)."""
+        ``expert_hits``, ``expert_bytes_read``, ``expert_read_seconds``). ``decode``: every
+        sequence read its last token (and drafts), no prompt piece: only such passes
+        price drafts (a prompt piece runs cold, through other code, and would lock drafts
+        out for a whole run)."""
         self.passes += 1
+        self.decode_passes += bool(decode)
         groups = [n for n in groups if n > 0]
         T = sum(groups)
         if not T:
@@ -237,12 +290,16 @@ class PassCost:
         if eb > 0 and es > 0:
             self.rate.add(eb / es)
         if T <= MAX_TIMED:
-            self.outside.setdefault(T, _Running(None)).add(max(0.0, seconds - es))
+            table = self.outside if decode else self.prefill
+            table.setdefault(T, _Recent() if decode else _Running(None)).add(max(0.0, seconds - es))
+            if decode:
+                self.seen[T] = self.decode_passes
 
     def as_dict(self) -> dict:
         return {"passes": self.passes, "hit": self.hit.value, "seq_pool": self.seq_pool,
                 "batch_pool": self.batch_pool, "expert_read_rate": self.rate.value,
-                "seconds_outside_expert_reads": {n: r.value for n, r in sorted(self.outside.items())}}
+                "seconds_outside_expert_reads": {n: r.value for n, r in sorted(self.outside.items())},
+                "prefill_seconds_outside_expert_reads": {n: r.value for n, r in sorted(self.prefill.items())}}
 
 
 def expected_emitted(accept: Sequence[float], j: int) -> float:
