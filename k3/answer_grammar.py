@@ -21,6 +21,8 @@ schema). A schema the argument form cannot express exactly (references or combin
 at its top, a required property with a string pattern or format, ...) leaves that tool
 the `json` form only; an optional property it cannot express can only be given in the
 `json` form. So whatever the grammar lets through parses into arguments that validate.
+The whitespace between JSON tokens is bounded (JSON_TEXT_WS, JSON_CALL_WS), so a schema
+whose every value is bounded bounds the answer's length.
 """
 
 from __future__ import annotations
@@ -39,6 +41,26 @@ _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "descr
 _ANNOTATIONS = {"description", "title", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
 _STRING_KEYS = _ANNOTATIONS | {"type", "enum", "const", "minLength", "maxLength"}
 _JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
+
+# Whitespace between JSON tokens (llguidance lets any run of it through by default: a
+# noise model spent its whole budget on it, and no schema could bound an answer's
+# length). JSON the answer gives as text (a JSON response): a space, or one newline and
+# an indent of at most 20 (pretty-printed JSON, as llama.cpp's grammars allow). JSON in
+# K3's own tool-call format (a json block, an argument's value): at most one space, as
+# the rendered history writes it (json.dumps on one line).
+JSON_TEXT_WS = {"whitespace_pattern": r" |\n[ \t]{0,20}"}
+JSON_CALL_WS = {"whitespace_pattern": " ?"}
+
+
+def json_schema_ws(schema: dict, ws: dict) -> dict:
+    """``schema`` with llguidance's whitespace options ``ws`` at its top (over any the
+    schema's own x-guidance sets)."""
+    opts = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**(opts if isinstance(opts, dict) else {}), **ws}}
+
+
+def _json_rule(name: str, schema: dict, ws: dict) -> str:
+    return f"{name}: %json {json.dumps(json_schema_ws(schema, ws), ensure_ascii=False)}"
 
 
 def _lit(text: str) -> str:
@@ -115,7 +137,7 @@ def _value_alternatives(schema: Any, rules: list[str], name: str, s: str) -> lis
                     continue
                 sub["enum"] = kept
             rule = f"{name}_{jt}"
-            rules.append(f"{rule}: %json {json.dumps(sub, ensure_ascii=False)}")
+            rules.append(_json_rule(rule, sub, JSON_CALL_WS))
             value = rule
         if value is not None:
             kind = "number" if jt == "integer" else jt
@@ -170,7 +192,7 @@ def answer_grammar(tok, *, thinking: bool, content_schema: dict | None = None, j
     close_resp = f'{c} "response" {s}'
     if json_content:
         schema = content_schema if isinstance(content_schema, dict) else {"type": "object"}
-        rules.append(f"content: %json {json.dumps(schema, ensure_ascii=False)}")
+        rules.append(_json_rule("content", schema, JSON_TEXT_WS))
         content = "content"
     else:
         content = "TEXT"
@@ -194,7 +216,7 @@ def _tools_rules(tools, max_calls: int, json_only: set, tags) -> list[str]:
     rules = [f'tools: {o} "tools" {s} calls1 {c} "tools" {s}']
     for i, (name, schema) in enumerate(tools):
         schema = schema if isinstance(schema, dict) else {"type": "object"}
-        rules.append(f"json{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        rules.append(_json_rule(f"json{i}", schema, JSON_CALL_WS))
         alts = [f'{o} "json type=\\"object\\"" {s} json{i} {c} "json" {s}']
         args = None if name in json_only else _argument_form(schema, rules, f"arg{i}", tags)
         if args is not None:

@@ -102,11 +102,12 @@ class Constraint:
 
 
 def json_constraint(tok, schema: dict | None, ends, vocab: int) -> Constraint:
-    """A constraint to JSON text: valid against ``schema`` (None: any JSON object), then
-    one of the tokens ``ends``. UsageError naming the problem for a schema the grammar
-    engine cannot take."""
+    """A constraint to JSON text: valid against ``schema`` (None: any JSON object; its
+    whitespace bounded as answer_grammar.JSON_TEXT_WS says), then one of the tokens
+    ``ends``. UsageError naming the problem for a schema the grammar engine cannot take."""
     import llguidance
-    schema = schema if schema is not None else {"type": "object"}
+    from .answer_grammar import JSON_TEXT_WS, json_schema_ws
+    schema = json_schema_ws(schema if schema is not None else {"type": "object"}, JSON_TEXT_WS)
     return _constraint(tok, ("json", json.dumps(schema)),
                        lambda: llguidance.LLMatcher.grammar_from_json_schema(schema), ends, vocab, "the JSON schema")
 

@@ -509,6 +509,57 @@ def test_a_failed_forward_pass_fails_its_requests_not_the_server(k3dir):
         assert s.stop() == 0, "".join(s.err)
 
 
+def test_a_request_is_counted_before_its_client_sees_it_end():
+    """The scheduler counts a failed or finished request (and the batch it leaves)
+    before it hands the client the error or the end: a client that reads /metrics once
+    its answer is over sees it counted (the failed count was added after the errors
+    went out, so the test above could read 1 of 2)."""
+    from types import SimpleNamespace
+    from k3.errors import K3Error
+    from k3.server.metrics import Metrics
+    from k3.server.scheduler import Job, Scheduler
+
+    class Seen(Job):
+        def __init__(self, rid):
+            self.request, self.cached, self.prefill, self.seen = SimpleNamespace(id=rid), 0, 0, []
+            self.req = SimpleNamespace(logprobs=None, kind="completion")
+            self.cancelled = self.ended = False
+
+        def push(self, ev):
+            self.seen.append((ev["type"], dict(self.metrics.snapshot()["c"]), self.metrics.gauges["batch_size"]))
+
+    class Batch:
+        def __init__(self, step):
+            self.step = step
+
+        def remove(self, r):
+            pass
+
+    m = Metrics()
+    sched = Scheduler(lambda: None, max_queue=1, metrics=m, prefix_entries=0)
+    sched.engine = SimpleNamespace(provider=SimpleNamespace(counters=dict, trunk=None))
+    jobs = [Seen(1), Seen(2)]
+    for j in jobs:
+        j.metrics = m
+        sched.running[j.request.id] = j
+    m.set(batch_size=2)
+
+    def fail():
+        raise K3Error("read failed")
+    sched._step(Batch(fail))
+    assert [j.seen for j in jobs] == [[("error", j.seen[0][1], 0)] for j in jobs]
+    assert all(j.seen[0][1]["failed"] == 2 for j in jobs)
+
+    job = Seen(3)
+    job.metrics = m
+    job.request = done = SimpleNamespace(id=3, finish="stop", finished=True, state=None)
+    sched.running[3] = job
+    step = SimpleNamespace(token=7, drafted=0, accepted=0, step=0, fed=1, logits=None)
+    sched._step(Batch(lambda: [(done, [step])]))
+    assert [(t, c["finished"], c["completion_tokens"], b) for t, c, b in job.seen] == [("tokens", 1, 1, 0),
+                                                                                       ("end", 1, 1, 0)]
+
+
 # ---------------------------------------------------------------- reasoning and tools
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -247,15 +247,19 @@ class Scheduler:
             for j in failed:
                 batch.remove(j.request)
                 j.ended = True
+            # counted before a client can see its error, so a read of /metrics after it sees it
+            self.metrics.add(failed=len(failed))
+            self._gauges()
+            for j in failed:
                 j.push({"type": "error", "status": 500, "message": f"The forward pass failed: {msg}",
                         "code": "engine_error"})
-            self.metrics.add(failed=len(failed))
             return
         dt = time.perf_counter() - t0
         c1 = eng.provider.counters()
         delta = {k: c1[k] - c0[k] for k in c1}
         trunk = eng.provider.trunk
         emitted = 0
+        events = []   # pushed once the pass is counted: a client never sees what /metrics does not yet say
         for r, steps in out:
             job = self.running.get(r.id)
             if job is None:
@@ -272,13 +276,16 @@ class Scheduler:
             ev = {"type": "tokens", "tokens": [s.token for s in steps], "finish": r.finish}
             if job.req.logprobs is not None:
                 ev["logprobs"] = [token_logprobs(s.logits, s.token, job.req.logprobs) for s in steps]
-            job.push(ev)
+            events.append((job, ev))
             if r.finished:
-                self._finish(batch, job)
+                events.append((job, self._finish(batch, job)))
         self.metrics.on_pass(dt, emitted, n, delta, trunk.stats()["reads"] if trunk is not None else 0)
         self._gauges()
+        for job, ev in events:
+            job.push(ev)
 
-    def _finish(self, batch, job: Job) -> None:
+    def _finish(self, batch, job: Job) -> dict:
+        """The job's request out of the batch, counted; the end event to push."""
         r = job.request
         batch.remove(r)
         with self.cond:
@@ -288,4 +295,4 @@ class Scheduler:
         job.ended = True
         self.served += 1
         self.metrics.add(finished=1)
-        job.push({"type": "end", "finish": r.finish, "cached": job.cached, "prefill": job.prefill})
+        return {"type": "end", "finish": r.finish, "cached": job.cached, "prefill": job.prefill}
