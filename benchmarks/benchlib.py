@@ -164,6 +164,8 @@ def metrics(d: dict) -> dict:
         "s_tok_all": d["seconds_per_token"],
         "prefill_s": secs[0],
         "dec_gb": (trunk_dec + exp_dec) / GB,
+        # every byte the decode steps read: trunk, experts and streamed tables, as each step reports it
+        "dec_read_gb": (sum(s.get("bytes_read", 0) for s in steps[1:]) if n > 1 else d.get("bytes_read", 0)) / GB,
         "dec_gbps": (trunk_dec + exp_dec) / dec_s / GB if dec_s > 0 else float("nan"),
         "trunk_gb_tok": trunk_dec / max(1, len(dec)) / GB,
         "expert_gb_tok": exp_dec / max(1, len(dec)) / GB,
