@@ -10,13 +10,15 @@ in a fixed, thread-independent order on the CPU (k3.kernels.sample, one thread):
   1. the fp32 logits are widened to float64; weights w = exp((logit - max) / T);
   2. token order: descending logit (ties: lower id first); top-k keeps the first k;
   3. top-p keeps the shortest prefix of that order whose cumulative weight (summed in
-     that order) reaches top_p times the mass of the top-k set (summed in id order);
+     that order) reaches top_p times the mass of the top-k set (summed in id order),
+     or the whole set where rounding leaves it short;
   4. the uniform u for position p (the number of tokens before the one sampled:
-     prompt, earlier turns and generated tokens) is counter-based: the first 64-bit
-     word of numpy's Philox4x64-10 with key K = SeedSequence([seed, stream])'s first
-     two uint64 words and counter [p, 0, 0, 0], its top 53 bits / 2**53;
+     prompt, earlier turns and generated tokens) is counter-based: the top 53 bits / 2**53
+     of ``np.random.Philox(key=K, counter=[p, 0, 0, 0]).random_raw()`` (Philox4x64-10),
+     K = the first two uint64 words of ``SeedSequence([seed, stream])``;
   5. the token is the first kept one, in id order, whose cumulative weight (summed in
-     that order) exceeds u times the kept weight.
+     that order) exceeds u times the kept weight (one uniform a position, not Gumbel
+     noise per token: the same property for one draw instead of one per vocabulary entry).
 
 So a seeded run gives the same tokens run to run, alone or in a batch (each sequence's
 own seed and stream), at every memory budget, and with or without --spec: a drafted

@@ -286,8 +286,9 @@ def test_a_seeded_sampled_run_gives_the_same_tokens_with_spec_in_a_batch_and_at_
     (tmp_path / "c.ids").write_text(" ".join(map(str, PROMPT + plain)))
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "k3", "run", str(m), "--batch", str(jobs), "--seed", "7",
-                        "--temperature", "1", "--top-p", "0.95", "--spec", "4", "--spec-corpus", str(tmp_path / "c.ids"),
-                        "--cache-gb", "0.0001", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+                        "--temperature", "1", "--top-p", "0.95", "--spec", "4", "--spec-corpus",
+                        str(tmp_path / "c.ids"), "--cache-gb", "0.0001", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     seqs = json.loads(out.read_text())["sequences"]
     assert [s["generated_ids"] for s in seqs] == [first, plain, other] and [s["seed"] for s in seqs] == [7, 7, 8]

@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "them from FILE (for prompts longer than a command line holds)")
     src.add_argument("--batch", metavar="FILE",
                      help="decode many sequences together: a JSONL file, one {\"prompt\": TEXT} or {\"ids\": [...]} "
-                          "a line, each with an optional \"max_tokens\" and \"seed\"; one JSON line per sequence on stdout")
+                          "a line, each with an optional \"max_tokens\" and \"seed\"; one JSON line per sequence on "
+                          "stdout")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="with --batch: the most sequences decoded together (default: all of them)")
     p.add_argument("--gen", "--max-tokens", dest="gen", type=int, default=8,
@@ -537,8 +538,8 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
                          "text": tok.decode(gen) if tok is not None else None,
                          "finish": steps[rid][-1].finish if steps[rid] else "length", "seed": seeds[i]})
             if not args.json:
-                print(json.dumps({k: seqs[-1][k] for k in ("index", "text", "generated_ids", "seed")}, ensure_ascii=False),
-                      flush=True)
+                line = {k: seqs[-1][k] for k in ("index", "text", "generated_ids", "seed")}
+                print(json.dumps(line, ensure_ascii=False), flush=True)
         decode_s = busy  # the passes' wall time (each pass serves every sequence in it)
         err("")
         err(f"batch: {len(jobs)} sequences, {total} tokens in {passes} passes (up to {width} at a time, "
