@@ -207,7 +207,7 @@ class Batch:
     Speculative decoding (``spec`` > 0, incremental only): each pass after the prefill
     reads [last token + up to ``spec`` drafted tokens] (k3.spec: the sequence's own
     n-grams, then ``spec_corpus``'s) and keeps the longest prefix the model agrees with
-    (greedy: its argmax; sampling: exact speculative sampling), plus the model's own next
+    (greedy: its argmax; sampling: the token plain sampling picks at that position), plus the model's own next
     token; the state is rolled back exactly to what it keeps. The tokens are those of
     plain decoding; a pass yields one Step per token it emits."""
 
@@ -461,10 +461,12 @@ class Batch:
 
     @staticmethod
     def _verify(r: Request, rows) -> tuple[list[int], int]:
+        # a sampled token's noise is keyed by its position in the sequence (k3.sampling),
+        # so a pass with drafts picks the tokens plain passes would
         if not r.drafts:
-            return [greedy(rows[-1]) if r.sampler is None else int(r.sampler(rows[-1]))], 0
+            return [greedy(rows[-1]) if r.sampler is None else int(r.sampler(rows[-1], len(r.seq)))], 0
         if r.sampler is not None:
-            return r.sampler.verify(rows, r.drafts)
+            return r.sampler.verify(rows, r.drafts, len(r.seq))
         kept = 0
         while kept < len(r.drafts) and greedy(rows[kept]) == r.drafts[kept]:
             kept += 1

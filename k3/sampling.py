@@ -1,18 +1,32 @@
 """Token sampling: temperature, top-k, top-p (nucleus), seeded.
 
-Reproducibility contract: for a given seed, the sampled tokens depend only on the
-logits. The logits are identical at every memory budget and thread count (the
-engine's exactness property), and the sampler itself is computed in a fixed,
-thread-independent order on the CPU:
+Reproducibility contract: for a given seed, the token sampled at a position depends only
+on that position's logits, the settings, the seed, the sequence's stream and the
+position itself - not on what was sampled before, on how many tokens one pass emitted,
+or on which drafts speculative decoding read. The logits are identical at every memory
+budget and thread count (the engine's exactness property), and the sampler is computed
+in a fixed, thread-independent order on the CPU (k3.kernels.sample, one thread):
 
-  1. the fp32 logits are widened to float64;
-  2. token order: a stable sort by descending logit (ties: lower id first);
-  3. top-k keeps the first k of that order;
-  4. weights exp((logit - max) / T) in float64, cumulative sums in order;
-  5. top-p keeps the shortest prefix whose mass reaches top_p of the total;
-  6. exactly one uniform draw per step from a dedicated numpy PCG64 generator,
-     seeded once (SeedSequence([seed, stream])), picks the token from the kept
-     cumulative mass.
+  1. the fp32 logits are widened to float64; weights w = exp((logit - max) / T);
+  2. token order: descending logit (ties: lower id first); top-k keeps the first k;
+  3. top-p keeps the shortest prefix of that order whose cumulative weight (summed in
+     that order) reaches top_p times the mass of the top-k set (summed in id order),
+     or the whole set where rounding leaves it short;
+  4. the uniform u for position p (the number of tokens before the one sampled:
+     prompt, earlier turns and generated tokens) is counter-based: the top 53 bits / 2**53
+     of ``np.random.Philox(key=K, counter=[p, 0, 0, 0]).random_raw()`` (Philox4x64-10),
+     K = the first two uint64 words of ``SeedSequence([seed, stream])``;
+  5. the token is the first kept one, in id order, whose cumulative weight (summed in
+     that order) exceeds u times the kept weight (one uniform a position, not Gumbel
+     noise per token: the same property for one draw instead of one per vocabulary entry).
+
+So a seeded run gives the same tokens run to run, alone or in a batch (each sequence's
+own seed and stream), at every memory budget, and with or without --spec: a drafted
+token (a deterministic guess) is kept exactly when it is the token step 5 picks at its
+position, and at the first one that is not, that pick is emitted (:meth:`Sampler.verify`);
+each emitted token has plain sampling's distribution because it *is* plain sampling's
+token. Streams: `k3 run` and the server use stream 0 (a --batch job its own "seed"),
+the chat one per turn.
 
 Temperature 0 (or --greedy) is greedy: the first index of the maximum logit, the C
 engine's argmax rule.
@@ -90,7 +104,7 @@ def check_settings(temperature: float, top_p: float, top_k: int) -> None:
 
 
 class Sampler:
-    """Callable logits[vocab] -> token id. One uniform draw per call."""
+    """Callable (logits[vocab], position) -> token id; the module docstring's contract."""
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  stream: int = 0, source: str = ""):
@@ -103,62 +117,100 @@ class Sampler:
         self.seed = int(seed)
         self.stream = int(stream)
         self.source = source
-        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.stream])))
-        self.draws = 0
+        self.key = np.random.SeedSequence([self.seed, self.stream]).generate_state(2, np.uint64)
+        self._scratch = None
 
-    def _dist(self, logits):
-        """(kept token ids, their unnormalised weights, cumulative weights): the tokens
-        left after top-k and top-p, in descending order of logit."""
-        x = _as_float64(logits)
-        order = np.argsort(-x, kind="stable")
-        if self.top_k:
-            order = order[: self.top_k]
-        z = x[order]
-        w = np.exp((z - z[0]) / self.temperature)
-        c = np.cumsum(w)
-        n = len(c)
-        if self.top_p < 1.0:
-            n = min(n, int(np.searchsorted(c, self.top_p * c[-1], side="left")) + 1)
-        return order[:n], w[:n], c[:n]
+    def uniform(self, position: int) -> float:
+        """The uniform in [0, 1) of ``position``: a function of (seed, stream, position)
+        alone (counter-based), so it is the same whichever pass samples that position."""
+        if not (_integer(position) and 0 <= position < 1 << 64):
+            raise ValueError(f"position must be an integer in [0, 2**64), got {position!r}")
+        raw = np.random.Philox(key=self.key, counter=np.array([position, 0, 0, 0], np.uint64)).random_raw()
+        return (int(raw) >> 11) * (1.0 / (1 << 53))
 
-    def _draw(self) -> float:
-        self.draws += 1
-        return self.rng.random()
+    def _weigh(self, logits):
+        """(weights, total weight, kept ids ascending or None for every token)."""
+        from .kernels import sample as K
+        x = _as_float32(logits)
+        n = x.shape[0]
+        m = float(x.max())   # NaN when any is
+        if not math.isfinite(m):
+            raise K3Error("the logits contain NaN or no finite value, so no token can be sampled; the forward pass "
+                          "is broken (check the checkpoint with `k3 doctor MODEL`).")
+        if self._scratch is None or self._scratch[0].shape[0] != n:   # kept: fresh pages of a large vocabulary cost
+            self._scratch = (np.empty(n, np.float64), np.empty(n, np.int32), np.empty(K.BUCKETS, np.float64),
+                             np.empty(K.BUCKETS, np.int64))
+        w, bucket, bmass, bcount = self._scratch
+        np.subtract(x, m, out=w, dtype=np.float64)
+        if self.temperature != 1.0:
+            w /= self.temperature
+        np.exp(w, out=w)
+        total = K.buckets(x, m, self.temperature, w, bucket, bmass, bcount)
+        k = self.top_k if 0 < self.top_k < n else 0
+        if k == 0 and self.top_p >= 1.0:
+            return w, total, None
+        last = K.last_bucket(bmass, bcount, k, self.top_p * total)
+        while True:
+            keys = K.order_keys(x.view(np.uint32), bucket, bcount, last)
+            keys.sort()   # unique keys: one order whatever the sort
+            ids, reached = K.kept(keys, w, k, self.top_p, total)
+            if reached or k or last >= K.BUCKETS - 1:
+                return w, total, ids
+            last += 1   # the prefix ends past these candidates: one bucket more
 
-    def __call__(self, logits) -> int:
+    def probabilities(self, logits) -> dict[int, float]:
+        """{token id: probability} of the tokens kept at these logits (the distribution
+        each position's token is drawn from)."""
+        w, total, ids = self._weigh(logits)
+        if ids is None:
+            return {i: float(w[i] / total) for i in np.flatnonzero(w)}
+        mass = float(np.sum(w[ids]))
+        return {int(i): float(w[i] / mass) for i in ids}
+
+    def __call__(self, logits, position: int) -> int:
+        """The token at ``position`` (the number of tokens before it in the sequence)."""
         if self.temperature == 0.0:
-            return int(np.argmax(_as_float64(logits)))
-        order, _, c = self._dist(logits)
-        i = int(np.searchsorted(c, self._draw() * c[-1], side="right"))
-        return int(order[min(i, len(c) - 1)])
+            return _argmax(logits)
+        from .kernels import sample as K
+        w, total, ids = self._weigh(logits)
+        u = self.uniform(position)
+        return int(K.pick_all(w, total, u) if ids is None else K.pick(ids, w, u))
 
-    def verify(self, rows, drafts) -> tuple[list[int], int]:
-        """Exact speculative sampling over the logits ``rows`` of [last token + drafts]:
-        drafted token x (a deterministic guess) is kept with probability p(x); at the
-        first one not kept, the token is drawn from p without x, renormalised; when every
-        draft is kept, one more token is drawn from the last row. Each emitted token has
-        the distribution plain sampling gives it. Returns (tokens, drafts kept)."""
-        if self.temperature == 0.0:
-            kept = 0
-            while kept < len(drafts) and int(np.argmax(_as_float64(rows[kept]))) == drafts[kept]:
-                kept += 1
-            return list(drafts[:kept]) + [int(np.argmax(_as_float64(rows[kept])))], kept
+    def verify(self, rows, drafts, position: int) -> tuple[list[int], int]:
+        """Speculative verification over the logits ``rows`` of [last token + drafts],
+        the last token's row sampling ``position``: a drafted token (a deterministic
+        guess) is kept exactly when it is the token plain sampling picks at its position
+        (greedy: the argmax); at the first that is not, that pick is emitted; when every
+        draft is kept, the last row's pick too. The tokens are plain decoding's, so each
+        has its distribution. Returns (tokens, drafts kept)."""
         for i, x in enumerate(drafts):
-            order, w, c = self._dist(rows[i])
-            at = np.flatnonzero(order == x)
-            px = w[at[0]] / c[-1] if len(at) else 0.0
-            if self._draw() < px:
-                continue
-            if len(at):  # x was not kept: draw from the rest
-                w = w.copy()
-                w[at[0]] = 0.0
-                c = np.cumsum(w)
-            j = int(np.searchsorted(c, self._draw() * c[-1], side="right"))
-            return list(drafts[:i]) + [int(order[min(j, len(c) - 1)])], i
-        return list(drafts) + [self(rows[len(drafts)])], len(drafts)
+            t = self(rows[i], position + i)
+            if t != x:
+                return list(drafts[:i]) + [t], i
+        return list(drafts) + [self(rows[len(drafts)], position + len(drafts))], len(drafts)
 
     def describe(self) -> str:
         return SamplingSettings(self.temperature, self.top_p, self.top_k, self.seed, self.source).describe()
+
+
+def _as_float32(logits) -> np.ndarray:
+    try:
+        import torch
+
+        if isinstance(logits, torch.Tensor):
+            logits = logits.detach().to("cpu", torch.float32).reshape(-1).numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    x = np.ascontiguousarray(np.asarray(logits, dtype=np.float32).reshape(-1))
+    if x.size == 0:
+        raise K3Error("the model returned no logits to sample from.")
+    return x
+
+
+def _argmax(logits) -> int:
+    """Greedy: the first index of the maximum (NaN-free logits, as sampling checks)."""
+    x = _as_float64(logits)
+    return int(np.argmax(x))
 
 
 def _as_float64(logits) -> np.ndarray:

@@ -50,7 +50,7 @@ class Job:
 
 #: the warm-up's jobs, in the order the process that runs the model goes through them
 JOBS = {j.name: j for j in (
-    Job("matmul", "BF16 and MXFP4 matmuls", "all", 21.0),
+    Job("matmul", "BF16 and MXFP4 matmuls, the sampler", "all", 25.5),
     Job("attention", "attention tiles", "mla", 21.0),
     Job("kda", "KDA step", "kda", 18.0),
     Job("kda_region", "KDA decode region", "kda", 56.0),
@@ -84,6 +84,10 @@ def _matmul() -> None:
         x = torch.zeros(t, 64)
         bf16_linear(x, w)
         mxfp4_linear(x, p, sc)
+    from .sampling import Sampler   # its kernels (k3.kernels.sample): every path of the filter and pick
+    x = torch.arange(64, dtype=torch.float32)
+    for top_p, top_k in ((1.0, 0), (0.9, 0), (0.9, 8)):
+        Sampler(1.0, top_p, top_k)(x, 0)
 
 
 def _attention() -> None:

@@ -115,3 +115,14 @@ def test_cli_batch(model_dir, tmp_path):
         for seq, p, n in zip(res["sequences"], PROMPTS, (5, 3, 4)):
             assert seq["prompt_ids"] == p and seq["generated_ids"] == [t for t, _ in alone(eng, p, n)]
     assert res["passes"] < 5 + 3 + 4 and "aggregate" in r.stderr
+
+
+def test_cli_batch_refuses_a_bad_seed(model_dir, tmp_path):
+    from k3.errors import EXIT_USAGE
+    jobs = tmp_path / "jobs.jsonl"
+    for bad in (-1, 1.5, "7", True):
+        jobs.write_text(json.dumps({"ids": [1, 2], "seed": 3}) + "\n" + json.dumps({"ids": [1, 2], "seed": bad}) + "\n")
+        r = subprocess.run([sys.executable, "-m", "k3", "run", str(model_dir), "--batch", str(jobs), "--seed", "1"],
+                           cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == EXIT_USAGE and "line 2: seed must be an integer >= 0" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr

@@ -65,7 +65,7 @@ class Script:
     def __init__(self, ids):
         self.ids = list(ids)
 
-    def __call__(self, logits):
+    def __call__(self, logits, position):
         return self.ids.pop(0)
 
 

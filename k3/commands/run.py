@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import EXIT_OK, UsageError
@@ -30,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "them from FILE (for prompts longer than a command line holds)")
     src.add_argument("--batch", metavar="FILE",
                      help="decode many sequences together: a JSONL file, one {\"prompt\": TEXT} or {\"ids\": [...]} "
-                          "a line, each with an optional \"max_tokens\"; one JSON line per sequence on stdout")
+                          "a line, each with an optional \"max_tokens\" and \"seed\"; one JSON line per sequence on "
+                          "stdout")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="with --batch: the most sequences decoded together (default: all of them)")
     p.add_argument("--gen", "--max-tokens", dest="gen", type=int, default=8,
@@ -424,7 +427,8 @@ def _pipeline_report(eng, cfg, steps) -> dict | None:
 
 # ---------------------------------------------------------------- --batch FILE
 def _read_jobs(args, cfg) -> tuple[list[dict], object]:
-    """The --batch file's sequences: [{"ids", "max_tokens"}], and the tokenizer if any was needed."""
+    """The --batch file's sequences: [{"ids", "max_tokens", "seed"}] (seed None: not given), and the tokenizer
+    if any was needed."""
     from ..engine import check_ids
     from ..fsutil import JSONProblem, loads_json
     from ..tokenizer import Tokenizer
@@ -444,7 +448,10 @@ def _read_jobs(args, cfg) -> tuple[list[dict], object]:
             raise UsageError(f"{where}: {e.problem}.") from None
         if not isinstance(job, dict) or ("prompt" in job) == ("ids" in job):
             raise UsageError(f"{where}: each line is an object with either \"prompt\" (text) or \"ids\" (a list of "
-                             "token ids), and optionally \"max_tokens\".")
+                             "token ids), and optionally \"max_tokens\" and \"seed\".")
+        seed = job.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise UsageError(f"{where}: seed must be an integer >= 0, got {seed!r}.")
         n_gen = job.get("max_tokens", args.gen)
         if not isinstance(n_gen, int) or isinstance(n_gen, bool) or not 0 <= n_gen <= MAX_GEN:
             raise UsageError(f"{where}: max_tokens must be an integer in 0..{MAX_GEN}, got {n_gen!r}.")
@@ -457,7 +464,7 @@ def _read_jobs(args, cfg) -> tuple[list[dict], object]:
             ids = job["ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise UsageError(f"{where}: \"ids\" must be a list of integers.")
-        jobs.append({"ids": check_ids(cfg, ids), "max_tokens": n_gen})
+        jobs.append({"ids": check_ids(cfg, ids), "max_tokens": n_gen, "seed": seed})
     if not jobs:
         raise UsageError(f"--batch {args.batch}: no sequences in it.")
     return jobs, tok
@@ -500,13 +507,17 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
         corpus = spec_corpus_from_args(args, tok)
         batch = eng.batch()
         queue = list(enumerate(jobs))
+        # each job samples with its own seed (stream 0, as a run alone does), so its tokens are those
+        # `k3 run --seed S` gives it alone; without --seed, a job without one gets a fresh seed of its own
+        seeds = [None if sampling is None else j["seed"] if j["seed"] is not None else
+                 sampling.seed if args.seed is not None else secrets.randbits(31) for j in jobs]
         reqs, steps = {}, {}
         passes, sizes, busy = 0, [], 0.0
         while queue or batch.active:
             while queue and len(batch.active) < width:
                 i, job = queue.pop(0)
                 r = batch.add(job["ids"], max_tokens=job["max_tokens"], incremental=args.incremental,
-                              sampler=sampling.sampler(stream=i) if sampling is not None else None,
+                              sampler=replace(sampling, seed=seeds[i]).sampler() if sampling is not None else None,
                               spec=args.spec, spec_corpus=corpus)
                 reqs[r.id], steps[r.id] = i, []
             if not batch.active:
@@ -525,10 +536,10 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
             gen = [s.token for s in steps[rid]]
             seqs.append({"index": i, "prompt_ids": jobs[i]["ids"], "generated_ids": gen,
                          "text": tok.decode(gen) if tok is not None else None,
-                         "finish": steps[rid][-1].finish if steps[rid] else "length"})
+                         "finish": steps[rid][-1].finish if steps[rid] else "length", "seed": seeds[i]})
             if not args.json:
-                print(json.dumps({k: seqs[-1][k] for k in ("index", "text", "generated_ids")}, ensure_ascii=False),
-                      flush=True)
+                line = {k: seqs[-1][k] for k in ("index", "text", "generated_ids", "seed")}
+                print(json.dumps(line, ensure_ascii=False), flush=True)
         decode_s = busy  # the passes' wall time (each pass serves every sequence in it)
         err("")
         err(f"batch: {len(jobs)} sequences, {total} tokens in {passes} passes (up to {width} at a time, "
