@@ -238,7 +238,7 @@ class _Clock:
     def seconds(self, groups):
         return 1.0 + sum(groups) * self.rng.uniform(0.0, 0.3)
 
-    def observe(self, *a):
+    def observe(self, *a, **kw):
         pass
 
 
