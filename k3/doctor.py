@@ -584,7 +584,9 @@ def run_doctor(model=None, trunk=None, probe: bool = True, probe_seconds: float 
         if model_p is not None and model_dirs:
             from .probe import block_device
 
-            project = dict(project, drives=len({block_device(d)[0] for d in (model_p, *model_dirs)}))
+            disks = {block_device(d, disk=True)[0] for d in (model_p, *model_dirs)}
+            project = dict(project, drives=max(1, len({d for d in disks if d != "unknown" and
+                                                        not d.startswith("dev 0:")})))
         projection(rep, facts, res, project)
     next_steps(rep, model_p, facts, preset, resident)
     return rep

@@ -66,13 +66,16 @@ class ProbeResult:
         return d
 
 
-def block_device(path) -> tuple[str, bool | None]:
-    """(device name, rotational?) of the block device holding `path`, best effort."""
+def block_device(path, disk: bool = False) -> tuple[str, bool | None]:
+    """(device name, rotational?) of the block device holding `path`, best effort;
+    with ``disk``, the whole disk a partition is on (two partitions are one drive)."""
     try:
         st = os.stat(path)
         dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
         sys_path = Path("/sys/dev/block") / dev
         real = sys_path.resolve()
+        if disk and (real / "partition").is_file():
+            real = real.parent
         name = real.name
         for q in (real / "queue" / "rotational", real.parent / "queue" / "rotational"):
             if q.is_file():

@@ -15,8 +15,8 @@ A pass of T tokens takes the longer of
 
   the drive  every byte the pass reads at the drive's rates: streamed trunk and lm_head
              / sequential rate + missed experts / random rate (one drive, one rate: reads
-             that share a drive share its rate; shards spread over several drives with
-             --model-dirs divide it)
+             that share a drive share its rate; experts' shards spread over several drives
+             with --model-dirs divide their share, the packed trunk and lm_head stay on one)
   the chain  what the math waits for: trunk bytes / BF16 rate + missed experts / random
              rate + distinct experts' bytes / MXFP4 rate (a layer's experts are known once
              it has routed, read, then multiplied) + streamed lm_head / sequential rate +
@@ -54,7 +54,7 @@ class Rates:
     bf16: float
     mxfp4: float
     source: str = ""
-    drives: int = 1  # drives the shards are spread over evenly (--model-dirs), each at these rates
+    drives: int = 1  # drives the experts' shards are spread over evenly (--model-dirs), each at these rates
 
 
 @dataclass
@@ -146,10 +146,12 @@ def _times(shape, sizes, rates: Rates, groups, hit: float | None = None) -> tupl
     h = shape.uniform_hit if hit is None else hit
     drives = max(1, rates.drives)
     miss = shape.moe_layers * d * (1 - h) * shape.expert_bytes
-    ring_read = shape.streamed_trunk_bytes / rates.seq / drives
+    # the packed trunk is one file and lm_head one tensor: they stay on one drive; the
+    # experts' shards spread evenly over the drives (--model-dirs), read side by side
+    ring_read = shape.streamed_trunk_bytes / rates.seq
     expert_read = miss / rates.random / drives
-    head_read = shape.table_bytes / rates.seq / drives
-    drive_s = ring_read + expert_read + head_read
+    head_read = shape.table_bytes / rates.seq
+    drive_s = ring_read + expert_read + head_read  # the busiest drive: the trunk's and lm_head's
     math_s = sizes.trunk_bytes / rates.bf16
     expert_math = shape.moe_layers * d * shape.expert_bytes / rates.mxfp4
     head_math = sizes.head_bytes * T / rates.bf16

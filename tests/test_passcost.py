@@ -96,9 +96,35 @@ def test_a_run_learns_its_overlap_hits_and_times():
     assert c.distinct([4]) == pytest.approx(24, rel=0.1)
 
 
+def test_pass_sizes_are_priced_from_decode_passes_and_retried_when_stale():
+    """A prompt piece's time never prices drafts; a size timed once, or not lately, is
+    priced at what a fresh smaller pass took (so the policy tries it); twice within
+    STALE decode passes, at the least of its recent times (noise only adds)."""
+    from k3.memory.passcost import STALE
+
+    shape = PassShape(1, 896, 16, 17_563_648, cache_slots=0, streamed_trunk_bytes=0, table_bytes=0)
+    c = PassCost(shape)
+    c.observe([5], 9.0, {}, decode=False)   # a cold prompt piece of 5 tokens
+    assert not c.timed and c.seconds([5]) is None
+    for _ in range(3):
+        c.observe([1], 0.10, {})
+    assert c.seconds([5]) == pytest.approx(0.10)   # its lower bound, not the prompt piece's 9 s
+    c.observe([5], 0.50, {})   # a first (cold) decode pass of 5 tokens: still the lower bound
+    assert c.seconds([5]) == pytest.approx(0.10)
+    c.observe([5], 0.20, {})
+    c.observe([5], 0.30, {})
+    assert c.fresh(5) and c.seconds([5]) == pytest.approx(0.20)   # the least of its recent passes
+    assert c.seconds([3]) == pytest.approx(0.10)   # never timed: the largest fresh smaller size's time
+    for _ in range(STALE):
+        c.observe([1], 0.10, {})
+    assert not c.fresh(5) and c.seconds([5]) == pytest.approx(0.10)   # not run lately: tried again
+    assert c.as_dict()["prefill_seconds_outside_expert_reads"] == {5: pytest.approx(9.0)}
+
+
 def _timed(shape, outside: dict, rate=1e9, hit=None):
     c = PassCost(shape)
     for T, sec in outside.items():
+        c.observe([T], sec, {})
         c.observe([T], sec, {})
     c.rate.add(rate)
     if hit is not None:
@@ -172,7 +198,7 @@ def test_on_k3s_pool_right_drafts_are_read_with_real_timings(pool_model):
     full = PROMPT + want
     half = NgramIndex([t for i in range(len(PROMPT), len(full) - 4)
                        for t in full[i - 4:i + 2] + [full[i + 2] + 1, full[i + 3] + 1]])
-    for corpus, per_pass in ((NgramIndex(full), 2.0), (half, 1.4)):
+    for corpus, per_pass in ((NgramIndex(full), 2.0), (half, 1.25)):
         with open_engine(pool_model, spec=4, max_context=200, cache_gb=0.0008) as eng:
             steps = list(eng.decode(PROMPT, max_tokens=32, spec=4, spec_corpus=corpus))
             assert [s.token for s in steps] == want

@@ -52,6 +52,7 @@ MAX_TIMED = 64  # passes of more tokens (long prefill pieces) are not kept in th
 # or cold timing.
 STALE = 16
 RECENT = 4  # a pass size's time: the least of its last RECENT decode passes
+EXPLORE_GAIN = 0.05  # what a size priced at its lower bound must gain over the best fresh choice to be tried
 
 
 def distinct(T: float, k: int, pool: float) -> float:
@@ -119,16 +120,18 @@ class _Recent:
     within RECENT passes."""
 
     def __init__(self):
-        self.last: list[float] = []
-        self.n = 0
+        self.last: list[tuple[int, float]] = []  # (decode pass, seconds)
 
-    def add(self, x: float) -> None:
-        self.last = (self.last + [x])[-RECENT:]
-        self.n += 1
+    def add(self, x: float, at: int) -> None:
+        self.last = (self.last + [(at, x)])[-RECENT:]
+
+    def since(self, at: int) -> int:
+        """How many of the kept passes ran at decode pass ``at`` or later."""
+        return sum(1 for a, _ in self.last if a >= at)
 
     @property
     def value(self) -> float:
-        return min(self.last)
+        return min(x for _, x in self.last)
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,6 @@ class PassCost:
         self._batch_pool = _Running(math.log(shape.experts))
         self.rate = _Running(None)  # expert bytes per second of expert reads
         self.outside: dict[int, _Running] = {}  # tokens in a decode pass -> its seconds outside expert reads
-        self.seen: dict[int, int] = {}  # tokens in a decode pass -> the decode pass that last timed it
         self.prefill: dict[int, _Running] = {}  # the same for passes that read prompt pieces (not drafts' prices)
         self.passes = 0
         self.decode_passes = 0
@@ -217,9 +219,9 @@ class PassCost:
         return bool(self.outside)
 
     def fresh(self, T: int) -> bool:
-        """Whether a decode pass of T tokens was timed twice (a first pass of a size may
-        run cold), the last time within the last STALE decode passes."""
-        return (T in self.seen and self.outside[T].n >= 2 and self.decode_passes - self.seen[T] < STALE)
+        """Whether decode passes of T tokens were timed twice (a first pass of a size may
+        run cold) within the last STALE decode passes."""
+        return T in self.outside and self.outside[T].since(self.decode_passes - STALE + 1) >= 2
 
     def _lower_bound(self, T: int) -> float | None:
         """The least a pass of T tokens can cost outside its expert reads: the most a
@@ -290,10 +292,10 @@ class PassCost:
         if eb > 0 and es > 0:
             self.rate.add(eb / es)
         if T <= MAX_TIMED:
-            table = self.outside if decode else self.prefill
-            table.setdefault(T, _Recent() if decode else _Running(None)).add(max(0.0, seconds - es))
             if decode:
-                self.seen[T] = self.decode_passes
+                self.outside.setdefault(T, _Recent()).add(max(0.0, seconds - es), self.decode_passes)
+            else:
+                self.prefill.setdefault(T, _Running(None)).add(max(0.0, seconds - es))
 
     def as_dict(self) -> dict:
         return {"passes": self.passes, "hit": self.hit.value, "seq_pool": self.seq_pool,
@@ -323,11 +325,15 @@ def drafts_to_read(cost: PassCost, others: Sequence[int], emitted_others: float,
         return 0
     best_j, best = 0, None
     for j in range(offered + 1):
-        t = cost.seconds(list(others) + [1 + j])
+        groups = list(others) + [1 + j]
+        t = cost.seconds(groups)
         if not t or t <= 0:
             return 0
         rate = (emitted_others + expected_emitted(accept, j)) / t
-        if best is None or rate > best * (1.0 + 1e-9):
+        # a size priced at its lower bound is tried only for a clear gain: drafts that are
+        # nearly always wrong are not read just because their price is not known yet
+        margin = 1e-9 if cost.fresh(sum(groups)) else EXPLORE_GAIN
+        if best is None or rate > best * (1.0 + margin):
             best_j, best = j, rate
     return best_j
 

@@ -258,8 +258,19 @@ class Scheduler:
         c1 = eng.provider.counters()
         delta = {k: c1[k] - c0[k] for k in c1}
         trunk = eng.provider.trunk
-        emitted = 0
         events = []   # pushed once the pass is counted: a client never sees what /metrics does not yet say
+        try:
+            emitted = self._collect(batch, out, events)
+            self.metrics.on_pass(dt, emitted, n, delta, trunk.stats()["reads"] if trunk is not None else 0)
+            self._gauges()
+        finally:   # whatever went wrong after a job ended, its client is told how it ended
+            for job, ev in events:
+                job.push(ev)
+
+    def _collect(self, batch, out, events: list) -> int:
+        """Each running job's events of this pass (its tokens, then its end), counted;
+        returns the tokens emitted."""
+        emitted = 0
         for r, steps in out:
             job = self.running.get(r.id)
             if job is None:
@@ -279,10 +290,7 @@ class Scheduler:
             events.append((job, ev))
             if r.finished:
                 events.append((job, self._finish(batch, job)))
-        self.metrics.on_pass(dt, emitted, n, delta, trunk.stats()["reads"] if trunk is not None else 0)
-        self._gauges()
-        for job, ev in events:
-            job.push(ev)
+        return emitted
 
     def _finish(self, batch, job: Job) -> dict:
         """The job's request out of the batch, counted; the end event to push."""
