@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
 
-from . import __version__, env
+from . import __version__, env, interrupt
 from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_PIPELINE, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error
 
 #: command name -> module in k3.commands, in the order `k3 --help` lists them
@@ -41,16 +40,8 @@ EXIT_CODES_HELP = f"""exit codes:
   130 interrupted (Ctrl-C)
   143 terminated (SIGTERM)
 """
-EXIT_TERMINATED = 143
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised where the program is so that files being written are cleaned up
-    (an atomic write leaves the old file) and the run ends with 143."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated
+EXIT_TERMINATED = interrupt.EXIT_TERMINATED
+Terminated = interrupt.Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +65,18 @@ def err(msg: str) -> None:
 
 
 def main(argv=None) -> int:
+    # Ctrl-C and SIGTERM are recorded and acted on between steps (k3.interrupt), from
+    # here on: raised where the program is, they could land inside compiled code
+    interrupt.clear(sigterm=True)
+    with interrupt.deferred():
+        rc = _main(argv)
+        if interrupt.pending() is not None and rc not in (interrupt.EXIT_INTERRUPTED, interrupt.EXIT_TERMINATED):
+            # the signal came after the last safe point (the results were being written: whole)
+            rc = _said(interrupt.error(), err)
+        return rc
+
+
+def _main(argv) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -82,15 +85,7 @@ def main(argv=None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    try:
-        prev = signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (k3.cli.main called from a thread): keep the default
-        prev = None
-    try:
-        return _run(args)
-    finally:
-        if prev is not None:
-            signal.signal(signal.SIGTERM, prev)
+    return _run(args)
 
 
 def _run(args) -> int:
@@ -118,12 +113,8 @@ def _guarded(args, out=None, who: str | None = None) -> int:
             err("RUN INVALID: a weight read failed, so no token from the failed step was produced; "
                 "nothing was written for it (no --out result).")
         return e.exit_code
-    except KeyboardInterrupt:
-        err("k3: interrupted.")
-        return 130
-    except Terminated:
-        err("k3: terminated (SIGTERM); nothing was written for the unfinished step.")
-        return EXIT_TERMINATED
+    except (KeyboardInterrupt, Terminated) as e:
+        return _said(e, err)
     except BrokenPipeError:
         return EXIT_OK
     except Exception as e:  # a bug in k3, not a user mistake: one line, the traceback on request
@@ -132,6 +123,15 @@ def _guarded(args, out=None, who: str | None = None) -> int:
         err(f"k3: internal error ({type(e).__name__}: {e}). This is a bug in k3; run again with K3_DEBUG=1 "
             "for the traceback and report it.")
         return EXIT_RUNTIME
+
+
+def _said(e: BaseException, err) -> int:
+    """The message and exit code of an interrupt (130) or a SIGTERM (143)."""
+    if isinstance(e, Terminated):
+        err("k3: terminated (SIGTERM); nothing was written for the unfinished step.")
+        return EXIT_TERMINATED
+    err("k3: interrupted.")
+    return interrupt.EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from . import interrupt
+
 #: the memory one compiling helper may reach (RSS: interpreter, torch, numba, LLVM's
 #: modules; docs/PERFORMANCE.md, "First run")
 HELPER_BYTES = 1_000_000_000
@@ -271,7 +273,8 @@ def compile_in_helpers(names: list[str], workers: int, progress=None) -> dict:
     finished = False
     try:
         while open_:
-            for key, _ in sel.select():
+            interrupt.check()  # a Ctrl-C / SIGTERM (k3.interrupt): the helpers are stopped below
+            for key, _ in sel.select(timeout=0.2):
                 p, kind = key.data
                 line = key.fileobj.readline()
                 if not line:
@@ -341,6 +344,7 @@ def ensure(names: list[str], *, available: int | None = None, notice=None, progr
                             for code, text in r["errors"].items()) or "no report"
             say(f"note: a compiling helper failed ({why}); compiling {', '.join(r['failed'])} in this process")
     for n in names:
+        interrupt.check()  # between jobs, never inside a kernel (k3.interrupt)
         run_job(n)
         kcache.mark(n)
     return info
