@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__, env, interrupt
@@ -66,14 +67,45 @@ def err(msg: str) -> None:
 
 def main(argv=None) -> int:
     # Ctrl-C and SIGTERM are recorded and acted on between steps (k3.interrupt), from
-    # here on: raised where the program is, they could land inside compiled code
+    # here on: raised where the program is, they could land inside compiled code.
+    # Without argv this is the program (the `k3` script, python -m k3): the handlers
+    # then stay until the process ends (_exit_on_signal).
     interrupt.clear(sigterm=True)
-    with interrupt.deferred():
+    handlers = interrupt.deferred()
+    handlers.__enter__()
+    if argv is None:
+        import atexit
+        atexit.register(_exit_on_signal)  # registered before torch and numba: run after theirs
+    try:
         rc = _main(argv)
         if interrupt.pending() is not None and rc not in (interrupt.EXIT_INTERRUPTED, interrupt.EXIT_TERMINATED):
             # the signal came after the last safe point (the results were being written: whole)
             rc = _said(interrupt.error(), err)
+        _exit["rc"] = rc
         return rc
+    finally:
+        if argv is not None:
+            handlers.__exit__(None, None, None)
+
+
+_exit = {"rc": EXIT_RUNTIME}
+
+
+def _exit_on_signal() -> None:
+    """The program's last step, after the threads are joined and every other exit
+    function ran (the files are written and closed): the process ends here with main's
+    code, or 130 / 143 for a signal recorded since. Left to the interpreter's shutdown,
+    a signal then met the default actions (Python restores them): killed by it,
+    without the message."""
+    code = _exit["rc"]
+    if interrupt.pending() is not None and code not in (interrupt.EXIT_INTERRUPTED, interrupt.EXIT_TERMINATED):
+        code = _said(interrupt.error(), err)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _main(argv) -> int:
