@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import env
+from . import env, interrupt
 from .errors import UsageError
 from .fsutil import JSONProblem, atomic_write, loads_json
 from .model.stack import Observer
@@ -186,6 +185,7 @@ class ChatSession:
             except KeyboardInterrupt:
                 # The loop has undone a forward pass cut short, so the state's ids are a
                 # prefix of seq and whatever that pass was feeding is pending again.
+                interrupt.clear()  # this Ctrl-C is spent: it stopped the answer
                 res.stop = "interrupted"
                 if len(self.seq) == ans0:  # stopped while reading the new message: drop it
                     self.state.restore(snap0)
@@ -221,26 +221,22 @@ class ChatSession:
 
 
 class _InterruptAtLayerBoundary(Observer):
-    """During a turn, Ctrl-C sets a flag instead of raising wherever the interpreter
-    happens to be (inside an expert read, a trunk prefetch...): KeyboardInterrupt is
-    raised at the next layer boundary (this observer's on_layer) or between tokens
-    (check). A second Ctrl-C raises at once. Only in the main thread (signal handlers
-    live there); elsewhere Ctrl-C keeps its default behaviour. ``inner`` is another
-    observer called at every layer first."""
+    """During a turn, Ctrl-C (and SIGTERM) are only recorded (k3.interrupt.deferred), never
+    raised wherever the interpreter happens to be (inside a compiled kernel, an expert
+    read, a trunk prefetch...): KeyboardInterrupt is raised at the next layer boundary
+    (this observer's on_layer) or between tokens (check). A second Ctrl-C is recorded
+    the same way: the answer stops at the same boundary, within one layer's time (a
+    Ctrl-C raised "at once" could land inside compiled code, an internal error). A
+    SIGTERM raises Terminated there instead and ends the chat (exit 143). Only in the
+    main thread (signal handlers live there); elsewhere Ctrl-C keeps its default
+    behaviour. ``inner`` is another observer called at every layer first."""
 
     def __init__(self, inner: Observer | None = None):
         self.inner = inner
-        self.count = 0
         self.active = threading.current_thread() is threading.main_thread()
 
-    def _on_sigint(self, signum, frame):
-        self.count += 1
-        if self.count >= 2:
-            raise KeyboardInterrupt
-
     def check(self) -> None:
-        if self.count:
-            raise KeyboardInterrupt
+        interrupt.check()
 
     def on_layer(self, i: int) -> None:
         if self.inner is not None:
@@ -253,13 +249,12 @@ class _InterruptAtLayerBoundary(Observer):
             self.inner.on_route(layer, ids)
 
     def __enter__(self):
-        if self.active:
-            self.prev_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        self._deferred = interrupt.deferred()
+        self._deferred.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.active:
-            signal.signal(signal.SIGINT, self.prev_handler)
+        self._deferred.__exit__(*exc)
         return False
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
+import os
 import sys
 
-from . import __version__, env
+from . import __version__, env, interrupt
 from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_PIPELINE, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error
 
 #: command name -> module in k3.commands, in the order `k3 --help` lists them
@@ -41,16 +41,8 @@ EXIT_CODES_HELP = f"""exit codes:
   130 interrupted (Ctrl-C)
   143 terminated (SIGTERM)
 """
-EXIT_TERMINATED = 143
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised where the program is so that files being written are cleaned up
-    (an atomic write leaves the old file) and the run ends with 143."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated
+EXIT_TERMINATED = interrupt.EXIT_TERMINATED
+Terminated = interrupt.Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +66,49 @@ def err(msg: str) -> None:
 
 
 def main(argv=None) -> int:
+    # Ctrl-C and SIGTERM are recorded and acted on between steps (k3.interrupt), from
+    # here on: raised where the program is, they could land inside compiled code.
+    # Without argv this is the program (the `k3` script, python -m k3): the handlers
+    # then stay until the process ends (_exit_on_signal).
+    interrupt.clear(sigterm=True)
+    handlers = interrupt.deferred()
+    handlers.__enter__()
+    if argv is None:
+        import atexit
+        atexit.register(_exit_on_signal)  # registered before torch and numba: run after theirs
+    try:
+        rc = _main(argv)
+        if interrupt.pending() is not None and rc not in (interrupt.EXIT_INTERRUPTED, interrupt.EXIT_TERMINATED):
+            # the signal came after the last safe point (the results were being written: whole)
+            rc = _said(interrupt.error(), err)
+        _exit["rc"] = rc
+        return rc
+    finally:
+        if argv is not None:
+            handlers.__exit__(None, None, None)
+
+
+_exit = {"rc": EXIT_RUNTIME}
+
+
+def _exit_on_signal() -> None:
+    """The program's last step, after the threads are joined and every other exit
+    function ran (the files are written and closed): the process ends here with main's
+    code, or 130 / 143 for a signal recorded since. Left to the interpreter's shutdown,
+    a signal then met the default actions (Python restores them): killed by it,
+    without the message."""
+    code = _exit["rc"]
+    if interrupt.pending() is not None and code not in (interrupt.EXIT_INTERRUPTED, interrupt.EXIT_TERMINATED):
+        code = _said(interrupt.error(), err)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -82,15 +117,7 @@ def main(argv=None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    try:
-        prev = signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (k3.cli.main called from a thread): keep the default
-        prev = None
-    try:
-        return _run(args)
-    finally:
-        if prev is not None:
-            signal.signal(signal.SIGTERM, prev)
+    return _run(args)
 
 
 def _run(args) -> int:
@@ -118,12 +145,8 @@ def _guarded(args, out=None, who: str | None = None) -> int:
             err("RUN INVALID: a weight read failed, so no token from the failed step was produced; "
                 "nothing was written for it (no --out result).")
         return e.exit_code
-    except KeyboardInterrupt:
-        err("k3: interrupted.")
-        return 130
-    except Terminated:
-        err("k3: terminated (SIGTERM); nothing was written for the unfinished step.")
-        return EXIT_TERMINATED
+    except (KeyboardInterrupt, Terminated) as e:
+        return _said(e, err)
     except BrokenPipeError:
         return EXIT_OK
     except Exception as e:  # a bug in k3, not a user mistake: one line, the traceback on request
@@ -132,6 +155,15 @@ def _guarded(args, out=None, who: str | None = None) -> int:
         err(f"k3: internal error ({type(e).__name__}: {e}). This is a bug in k3; run again with K3_DEBUG=1 "
             "for the traceback and report it.")
         return EXIT_RUNTIME
+
+
+def _said(e: BaseException, err) -> int:
+    """The message and exit code of an interrupt (130) or a SIGTERM (143)."""
+    if isinstance(e, Terminated):
+        err("k3: terminated (SIGTERM); nothing was written for the unfinished step.")
+        return EXIT_TERMINATED
+    err("k3: interrupted.")
+    return interrupt.EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from . import env
+from . import env, interrupt
 from .errors import K3Error, NumericError, UsageError
 from .model.stack import InferenceState, Observer
 
@@ -268,6 +268,7 @@ class Batch:
 
     def step(self) -> list[tuple[Request, list[Step]]]:
         """One forward pass over every active sequence; returns the Steps each emitted."""
+        interrupt.check()  # a Ctrl-C / SIGTERM recorded since the last pass (k3.interrupt)
         active = self.active
         if not active:
             return []

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from . import env, warmup
+from . import env, interrupt, warmup
 from .config import check_layers, load_config
 from .decode import PREFILL_CHUNK, check_prefill_chunk, max_piece, set_threads
 from .engine import Engine
@@ -196,6 +196,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
                       f"and the machine has {human(available)} available.")
     kernels = warmup.ensure(warmup.jobs_for(cfg, layout.layer_ids), available=available,
                             notice=notice or say, progress=compile_progress)
+    interrupt.check()  # a signal is acted on between load stages (k3.interrupt)
     available = _measured_available(budgets)  # the compiled kernels now count in the footprint the plan measures
     baseline = sysmem.baseline_bytes()
     stage = None
@@ -218,7 +219,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         faults = _test_faults()
         provider = StreamingWeights(layout, plan, packed, trace=trace, reader=ShardFiles(),
                                     expert_reader=ShardFiles(hook=faults.get("experts")),
-                                    trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=progress,
+                                    trunk_reader=ShardFiles(hook=faults.get("trunk")), progress=_checked(progress),
                                     tables=stage is None or stage.rank == 0)
         tokenizer, tok_error = _open_tokenizer(model_dir, cfg)
         if stage is not None and stage.rank == 0:
@@ -250,3 +251,12 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
             stage.close()
         raise
     return eng
+
+
+def _checked(progress):
+    """``progress`` after each layer loaded, a signal acted on first (k3.interrupt)."""
+    def each(i):
+        interrupt.check()
+        if progress is not None:
+            progress(i)
+    return each

@@ -12,8 +12,8 @@ So a cold folder is filled by helper processes, not by the process that runs the
   (the matmuls, attention's tiles, KDA's step, the three one-launch decode regions);
   a model needs only the jobs of the layers it has (:func:`jobs_for`);
 * the jobs are shared out over up to one helper per core (longest first, by the
-  :data:`JOBS` weights: their compile seconds measured on one core, so the shares come
-  out even); each helper compiles its jobs into the cache folder and exits, handing
+  :data:`JOBS` weights: their compile seconds measured on one core for the ISA path
+  this CPU compiles, so the shares come out even and the estimate is this CPU's); each helper compiles its jobs into the cache folder and exits, handing
   the compiler's memory back;
 * the process that runs the model then runs every job itself: it loads them from the
   folder, so its footprint is that of a warm start, and a first decode step compiles
@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from . import interrupt
+
 #: the memory one compiling helper may reach (RSS: interpreter, torch, numba, LLVM's
 #: modules; docs/PERFORMANCE.md, "First run")
 HELPER_BYTES = 1_000_000_000
@@ -45,18 +47,38 @@ class Job:
     name: str
     label: str
     needs: str  # "all" | "kda" | "mla" | "moe": the layers a model must have for it
-    weight: float  # its compile seconds alone on one core, measured (shares and the estimate)
+    #: its compile seconds alone on one core, per kernel ISA path (k3.kernels.cpu: the
+    #: paths compile different code, so their costs differ); measured, docs/PERFORMANCE.md
+    seconds: dict
+
+    def weight(self, isa: str | None = None) -> float:
+        """Its compile seconds on path ``isa`` (default: the path this process compiles)."""
+        return self.seconds[isa or this_isa()]
 
 
-#: the warm-up's jobs, in the order the process that runs the model goes through them
+def _job(name, label, needs, avx512, avx2, generic) -> Job:
+    return Job(name, label, needs, {"avx512": avx512, "avx2": avx2, "generic": generic})
+
+
+#: the warm-up's jobs, in the order the process that runs the model goes through them;
+#: the seconds are the lowest of 2-3 reps on one core of an Intel Xeon (AVX-512), each
+#: path forced (benchmarks/bench_warmup_isa.py; docs/PERFORMANCE.md, "First run"); matmul
+#: adds the sampler's kernels (~4.5 s, measured apart)
 JOBS = {j.name: j for j in (
-    Job("matmul", "BF16 and MXFP4 matmuls, the sampler", "all", 25.5),
-    Job("attention", "attention tiles", "mla", 21.0),
-    Job("kda", "KDA step", "kda", 18.0),
-    Job("kda_region", "KDA decode region", "kda", 56.0),
-    Job("moe_region", "MoE decode region", "moe", 13.0),
-    Job("mla_region", "MLA decode region", "mla", 54.0),
+    #    name          label                     needs   avx512 avx2  generic
+    _job("matmul", "BF16 and MXFP4 matmuls, the sampler", "all", 21.0, 23.2, 20.6),
+    _job("attention", "attention tiles", "mla", 17.2, 18.6, 17.8),
+    _job("kda", "KDA step", "kda", 15.9, 16.2, 16.4),
+    _job("kda_region", "KDA decode region", "kda", 41.2, 39.5, 38.9),
+    _job("moe_region", "MoE decode region", "moe", 5.4, 5.1, 4.6),
+    _job("mla_region", "MLA decode region", "mla", 26.1, 24.9, 25.5),
 )}
+
+
+def this_isa() -> str:
+    """The kernel ISA path this process compiles (k3.kernels.cpu.kernel_isa)."""
+    from .kernels.cpu import kernel_isa
+    return kernel_isa()
 
 
 def jobs_for(cfg=None, layers=None) -> list[str]:
@@ -216,20 +238,23 @@ def run_job(name: str) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-def share(names: list[str], workers: int) -> list[list[str]]:
+def share(names: list[str], workers: int, isa: str | None = None) -> list[list[str]]:
     """``names`` shared out over ``workers`` lists, longest job first to the least
-    loaded (by the JOBS weights); empty lists dropped."""
+    loaded (by the JOBS weights of path ``isa``, default this CPU's); empty lists dropped."""
+    isa = isa or this_isa()
     loads = [[0.0, []] for _ in range(max(1, workers))]
-    for n in sorted(names, key=lambda n: -JOBS[n].weight):
+    for n in sorted(names, key=lambda n: -JOBS[n].weight(isa)):
         least = min(loads, key=lambda a: a[0])
-        least[0] += JOBS[n].weight
+        least[0] += JOBS[n].weight(isa)
         least[1].append(n)
     return [names_ for _, names_ in loads if names_]
 
 
-def estimate_seconds(names: list[str], workers: int) -> float:
-    """The compile's wall time by the JOBS weights: the most loaded helper's share."""
-    return max((sum(JOBS[n].weight for n in part) for part in share(names, workers)), default=0.0)
+def estimate_seconds(names: list[str], workers: int, isa: str | None = None) -> float:
+    """The compile's wall time by the JOBS weights of path ``isa`` (default this CPU's):
+    the most loaded helper's share."""
+    isa = isa or this_isa()
+    return max((sum(JOBS[n].weight(isa) for n in part) for part in share(names, workers, isa)), default=0.0)
 
 
 def helper_main(argv: list[str]) -> int:
@@ -275,7 +300,8 @@ def compile_in_helpers(names: list[str], workers: int, progress=None) -> dict:
     finished = False
     try:
         while open_:
-            for key, _ in sel.select():
+            interrupt.check()  # a Ctrl-C / SIGTERM (k3.interrupt): the helpers are stopped below
+            for key, _ in sel.select(timeout=0.2):
                 p, kind = key.data
                 line = key.fileobj.readline()
                 if not line:
@@ -345,6 +371,7 @@ def ensure(names: list[str], *, available: int | None = None, notice=None, progr
                             for code, text in r["errors"].items()) or "no report"
             say(f"note: a compiling helper failed ({why}); compiling {', '.join(r['failed'])} in this process")
     for n in names:
+        interrupt.check()  # between jobs, never inside a kernel (k3.interrupt)
         run_job(n)
         kcache.mark(n)
     return info

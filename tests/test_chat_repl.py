@@ -200,7 +200,7 @@ def test_real_sigint_stops_at_a_layer_boundary(k3):
         res = s.send("Second question")
         assert res.stop == "interrupted" and len(res.tokens) == 3
         layers["n"] = 0
-        s.observer = SendSigint(model.n_layers + 1, times=2)  # a second Ctrl-C raises at once
+        s.observer = SendSigint(model.n_layers + 1, times=2)  # a second Ctrl-C: the same layer boundary
         res = s.send("Third question")
         assert res.stop == "interrupted" and len(res.tokens) == 1
     finally:

@@ -37,10 +37,25 @@ def test_the_shares_are_even_and_complete():
         parts = warmup.share(names, workers)
         assert sorted(n for p in parts for n in p) == sorted(names)
         assert len(parts) == min(workers, len(names))
-    two = [sum(warmup.JOBS[n].weight for n in p) for p in warmup.share(names, 2)]
-    assert max(two) - min(two) <= max(j.weight for j in warmup.JOBS.values())
-    assert warmup.estimate_seconds(names, 1) == sum(j.weight for j in warmup.JOBS.values())
-    assert warmup.estimate_seconds(names, 2) == max(two)
+    for isa in ("avx512", "avx2", "generic"):
+        two = [sum(warmup.JOBS[n].weight(isa) for n in p) for p in warmup.share(names, 2, isa)]
+        assert max(two) - min(two) <= max(j.weight(isa) for j in warmup.JOBS.values())
+        assert warmup.estimate_seconds(names, 1, isa) == pytest.approx(sum(j.weight(isa) for j in warmup.JOBS.values()))
+        assert warmup.estimate_seconds(names, 2, isa) == max(two)
+
+
+def test_the_estimate_is_the_path_this_cpu_compiles(monkeypatch):
+    """The notice's estimate and the shares use the weights of the kernel ISA path this
+    process compiles (K3_KERNEL_ISA forces one), not one path's for every CPU."""
+    from k3.kernels import cpu
+    names = list(warmup.JOBS)
+    here = cpu.kernel_isa()
+    assert warmup.estimate_seconds(names, 2) == warmup.estimate_seconds(names, 2, here)
+    monkeypatch.setenv("K3_KERNEL_ISA", "generic")
+    assert warmup.this_isa() == "generic"
+    assert warmup.estimate_seconds(names, 2) == warmup.estimate_seconds(names, 2, "generic")
+    paths = {isa: warmup.estimate_seconds(names, 1, isa) for isa in ("avx512", "avx2", "generic")}
+    assert len(set(paths.values())) == 3  # measured per path: three different totals
 
 
 class _Stream(io.StringIO):

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import interrupt
 from ..errors import EXIT_OK, K3Error, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
                      check_model_dir, check_output_path, check_text, sampling_from_args, spec_corpus_from_args)
@@ -112,7 +113,8 @@ def repl(session, console: Console, history_path: Path | None, state_path: str |
 
     while True:
         try:
-            text = _read_message()
+            with interrupt.raising():  # reading a line is pure Python: Ctrl-C / SIGTERM raise at once here
+                text = _read_message()
             if text is not None:
                 check_text(text, "that message")
         except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .. import interrupt
 from ..errors import EXIT_OK, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
                      check_model_dir, check_output_path, check_text, err, sampling_from_args, spec_corpus_from_args,
@@ -303,6 +304,9 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
     if loaded is not None:
         result["prior_ids"] = prior_tokens
         result["full_ids"] = prior_tokens + ids + gen_ids
+    # a signal before this point: no state file, no --out; once the writes start they are
+    # finished whole and the run then exits 130 / 143 (k3.interrupt, k3.cli)
+    interrupt.check()
     if args.save_state:
         from ..state import save_state
         pending = gen_ids[-1:] if gen_ids else list(feed)  # not fed yet: the last token (or, with --gen 0, the prompt)
@@ -557,6 +561,7 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
                       "seed": sampling.seed},
                   "pipeline": eng.pipeline.describe(cfg) if eng.pipeline is not None else None,
                   "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None}
+        interrupt.check()
         if args.out:
             atomic_write_json(args.out, result, what="the run result")
             err(f"wrote {args.out}")

@@ -13,6 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
+from .. import interrupt
 from ..errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
                      check_model_dir, err, sampling_from_args, spec_corpus_from_args)
@@ -134,6 +135,7 @@ def run(args) -> int:
     except OSError as e:
         raise K3Error(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}). Choose another --port (or "
                       "stop what uses it).") from None
+    sched = None
     try:
         err(cfg.summary())
         if args.layers is not None:
@@ -199,16 +201,30 @@ def run(args) -> int:
             err(f"WARNING: listening on {args.host} without --api-key: anyone who can reach this port can use it.")
         auth = ' -H "Authorization: Bearer $K3_API_KEY"' if key else ""
         body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % name.replace('"', '\\"')
+        interrupt.check()  # a signal before this line: 130 / 143 (after it: a drained stop, make_server)
         print(f"k3 serve: listening on {url}/v1 (Ctrl-C drains and stops)", flush=True)
         print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
               flush=True)
         serve()
+    except BaseException:
+        # a Ctrl-C / SIGTERM before the server listened (k3.interrupt: raised before the
+        # listening line), or a failure: the engine thread stops with the process
+        if sched is not None and sched.engine is not None:
+            sched.stop(now=True, timeout=5.0)
+        raise
     finally:
         sock.close()
     forced = server.force_exit or state["signals"] > 1
-    sched.stop(now=forced, timeout=None if not forced else 5.0)
+    sched.stop(now=forced, timeout=0)
+    deadline = time.monotonic() + 5.0
+    while sched.thread.is_alive() and not (forced and time.monotonic() > deadline):
+        sched.thread.join(0.1)
+        if not forced and interrupt.pending() is not None:  # a signal once uvicorn let go of them: stop at once
+            forced, deadline = True, time.monotonic() + 5.0
+            err("\nk3 serve: stopping now")
+            sched.stop(now=True, timeout=0)
     err(f"k3 serve: stopped ({sched.served} requests served)")
     if sched.error is not None and not isinstance(sched.error, KeyboardInterrupt):
         raise K3Error(f"the engine thread failed: {sched.error}")
-    return 130 if forced else EXIT_OK
+    return (interrupt.exit_code() if interrupt.pending() is not None else 130) if forced else EXIT_OK
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import interrupt
 from ..errors import NumericError
 from ..kernels.norms import add_norm, all_finite
 from . import compiled
@@ -238,6 +239,7 @@ class Model:
                 self.provider.release_layer(i)
             if observer is not None:
                 observer.on_layer(i)
+            interrupt.check()  # Ctrl-C / SIGTERM acted on between layers, never inside one (k3.interrupt)
         if layers.stop == self.n_layers:
             for ids, st in batch:
                 st.ids.extend(int(t) for t in ids)

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .. import interrupt
 from . import anthropic as anthropic_api
 from . import protocol
 from .metrics import Metrics
@@ -507,6 +508,11 @@ def make_server(app, sock, *, verbose: bool, on_signal: Callable[[int, bool], No
                 return
             prev = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
             try:
+                # a signal recorded since the listening line was printed (k3.interrupt):
+                # the first signal of a drained stop
+                if interrupt.pending() is not None:
+                    self.handle_exit(interrupt.pending(), None)
+                    interrupt.clear(sigterm=True)
                 yield
             finally:
                 for s, h in prev.items():

@@ -28,6 +28,7 @@ import traceback
 from collections import deque
 from typing import Callable
 
+from .. import interrupt
 from ..errors import K3Error
 from .metrics import Metrics
 from .prefix import PrefixCache
@@ -140,7 +141,8 @@ class Scheduler:
         try:
             from ..decode import set_threads
             set_threads(self.threads)  # OpenMP and numba thread counts are per thread
-            self.engine = self._load()
+            with interrupt.follow():  # a Ctrl-C / SIGTERM while loading stops the load at its next stage
+                self.engine = self._load()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             self.error = e
             self._ready.set()
