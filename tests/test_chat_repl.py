@@ -175,6 +175,7 @@ def test_real_sigint_stops_at_a_layer_boundary(k3):
     model = eng.model
     fmt = K3Format(tok, thinking_effort=None)
     s = ChatSession(eng, fmt, max_tokens=8)
+    handler = signal.getsignal(signal.SIGINT)   # default_int_handler, or SIG_IGN under a background shell
     s.send("First question")
     layers = {"n": 0}
 
@@ -205,7 +206,7 @@ def test_real_sigint_stops_at_a_layer_boundary(k3):
         assert res.stop == "interrupted" and len(res.tokens) == 1
     finally:
         s.observer = None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler   # put back as it was
     assert s.state.ids == s.seq[:len(s.state.ids)]
     res = s.send("Fourth question")
     assert reprefill(eng, s.seq[:res.prompt_len], len(res.tokens)) == res.tokens

@@ -241,6 +241,9 @@ class _Clock:
     def observe(self, *a, **kw):
         pass
 
+    def fresh(self, T):
+        return True
+
 
 def test_a_seeded_sampled_run_gives_the_same_tokens_with_spec_in_a_batch_and_at_any_budget(tmp_path, monkeypatch):
     """Seed 7, temperature 1, top-p 0.95: again; with --spec 4 and a corpus of its own

@@ -535,6 +535,9 @@ class ExpertCache:
                 st.bytes_read += loc.nbytes
                 st.io_bytes += io
             yield loc.expert, ew
+        for loc, _ in sub.jobs:   # newest in the call's order, not the reads' completion order: the same LRU every run
+            if (layer, loc.expert) in self._lru:
+                self._lru.move_to_end((layer, loc.expert))
         dt = time.perf_counter() - sub.t0
         for st in (run, step):
             st.read_seconds += dt

@@ -15,6 +15,12 @@ commit before a refactor; ``--tree`` puts that tree first on sys.path)::
 
     python tests/golden/record.py --tree /path/to/k3-tree --out tests/golden/values.json
 
+On a machine whose last bits differ from the reference machine's (another CPU vendor or
+model, other library versions: :func:`machine_key`), ``--machine`` records that
+machine's own values into ``tests/golden/machines/KEY.json`` from the same reference
+tree; the test then holds the tree to those bit for bit, and elsewhere to the
+reference's tokens and schedule, with the logits' first values within 1e-4.
+
 What it does:
 1. builds every model twice and checks that the two builds are byte-identical (the test
    rebuilds them, so they must be a function of the seed alone), keeping the file
@@ -47,6 +53,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VALUES = HERE / "values.json"
+#: this machine's own values, where the reference machine's bits are not this one's
+MACHINES = HERE / "machines"
 FORMAT = 1
 
 # ---------------------------------------------------------------------------- models
@@ -457,6 +465,36 @@ def record(tree: Path, isas: list[str], say=print) -> dict:
     }
 
 
+def machine_key() -> str:
+    """What the last bits of the values depend on beyond k3's own sources: the CPU
+    (vendor, family, model: the math libraries torch and numpy call pick their code by
+    it) and the versions of the libraries and interpreter. k3 promises the same bits at
+    every thread count, budget and kernel instruction set on one machine, not across
+    machines (the reference values came from an AMD Zen 4; an Intel Xeon rounds a few
+    logits' last bits otherwise, with the same tokens)."""
+    import llvmlite
+    import numba
+    import numpy
+    import torch
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() in ("vendor_id", "cpu family", "model") and k.strip() not in cpu:
+                cpu[k.strip()] = v.strip()
+    except OSError:
+        pass
+    parts = [cpu.get("vendor_id", platform.machine()), f"f{cpu.get('cpu family', '')}m{cpu.get('model', '')}",
+             torch.backends.cpu.get_cpu_capability(), f"py{platform.python_version()}", f"torch{torch.__version__}",
+             f"numba{numba.__version__}", f"llvmlite{llvmlite.__version__}", f"numpy{numpy.__version__}"]
+    return "-".join(p.replace("+", "_").replace("/", "_") for p in parts)
+
+
+def machine_values() -> Path:
+    return MACHINES / f"{machine_key()}.json"
+
+
 def dumps(obj, indent: str = "") -> str:
     """JSON with a line per logits digest and per token list, so that a re-recording's
     git diff shows which steps changed (sorted keys: the same values give the same file)."""
@@ -478,6 +516,9 @@ def main(argv=None) -> int:
     ap.add_argument("--isa", default="all",
                     help="comma-separated instruction sets to check in child processes, 'all' (every one this "
                          "CPU runs) or 'none'")
+    ap.add_argument("--machine", action="store_true",
+                    help="record this machine's own values (tests/golden/machines/KEY.json; no instruction-set "
+                         "children), for a machine whose last bits are not the reference machine's")
     ap.add_argument("--child", metavar="MODELS_JSON", help=argparse.SUPPRESS)  # compute() for the parent
     a = ap.parse_args(argv)
     if a.tree is not None:
@@ -490,8 +531,14 @@ def main(argv=None) -> int:
         dirs = {m: Path(p) for m, p in json.loads(a.child).items()}
         a.out.write_text(json.dumps(compute(dirs)))
         return 0
-    isas = isa_paths() if a.isa == "all" else [] if a.isa == "none" else a.isa.split(",")
+    isas = isa_paths() if a.isa == "all" and not a.machine else [] if a.isa == "none" or a.machine \
+        else a.isa.split(",")
     values = record(tree, isas, say=lambda m: print(m, file=sys.stderr, flush=True))
+    if a.machine:
+        a.out = machine_values() if a.out == VALUES else a.out
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        values = {"format": values["format"], "meta": dict(values["meta"], key=machine_key()),
+                  "cases": values["cases"]}
     a.out.write_text(dumps(values) + "\n")
     print(f"wrote {a.out}: {len(values['cases'])} cases", file=sys.stderr)
     return 0
