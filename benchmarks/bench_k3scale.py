@@ -49,13 +49,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import K3, RESULTS, Tsv, cpu_flags, mean_sd_spread, metrics, run_k3, table  # noqa: E402
+from benchlib import K3, RESULTS, Tsv, cpu_flags, evict, mean_sd_spread, metrics, run_k3, table  # noqa: E402
 
 ARMS = ("plain", "batch8", "spec", "spec-right", "spec-half", "spec-wrong")
 COLS = ["cap", "ceiling_gb", "arm", "rep", "s_tok", "tok_s", "tokens", "passes", "tokens_per_pass", "expert_gb_tok",
         "gb_tok", "hit_pct", "slots", "pinned", "drafted", "accepted", "withheld", "plan_read_gb_tok", "plan_batch",
         "peak_rss_gb", "cg_max_gb", "ids_ok", "load1", "cpu", "flags", "expert_gbps", "speed_vs_plain",
-        "proj_s_tok", "proj_gb_tok", "proj_acceptance", "proj_seq_gbps", "proj_random_gbps", "proj_vs_measured"]
+        "proj_s_tok", "proj_gb_tok", "proj_acceptance", "proj_seq_gbps", "proj_random_gbps", "proj_vs_measured",
+        "drive_gb_tok"]
 # the projection's row for each arm it projects: (seconds column, GB column)
 PROJECTED = {"plain": ("plain_s_per_token", "plain_gb_per_token"), "batch8": ("batch_s_per_token", "batch_gb_per_token"),
              "spec-right": ("spec_s_per_token", "spec_gb_per_token")}
@@ -71,6 +72,7 @@ def ids_str(xs) -> str:
 
 def one(a, cap: str, ceiling: float, flags: list[str], arm: str, prompt: list[int], tmp: Path) -> dict:
     base = ["--trunk", a.trunk, "--prefill-chunk", "32"] + flags  # short prompts: activations planned for 32
+    evict(a.model, a.trunk)  # what the run reads from memory, its ceiling counts
     if arm == "batch8":
         jobs = tmp / "batch8.jsonl"
         jobs.write_text("".join(json.dumps({"ids": distinct_prompt(len(prompt), 100 + 7 * i), "max_tokens": a.gen})
@@ -112,6 +114,7 @@ def one(a, cap: str, ceiling: float, flags: list[str], arm: str, prompt: list[in
                             (d.get("expert_cache") or {}).get("read_seconds") / 1e9
                             if (d.get("expert_cache") or {}).get("read_seconds") else 0.0), "slots": m["slots"], "pinned": m["pinned"],
             "drafted": sp.get("drafted", 0), "accepted": sp.get("accepted", 0), "withheld": sp.get("withheld", 0),
+            "drive_gb_tok": d.get("decode_drive_bytes", 0) / max(1, n - 1) / 1e9,
             "plan_read_gb_tok": d["memory_plan"]["estimated_read_per_token"] / 1e9,
             "plan_batch": d["memory_plan"].get("priced_for_batch", 1), "available": d["memory_plan"]["available"],
             "peak_rss_gb": m["peak_rss_gb"],
@@ -136,7 +139,8 @@ def project(a, flags: list[str], available: int, acceptance: float) -> dict:
     """`k3 doctor --project` for the run's model, budgets and measured memory: the
     projection's rows and rates (its probe and calibration run now)."""
     cmd = [K3, "doctor", a.model, "--trunk", a.trunk, "--project", "--ram", f"{available / 1e9:.3f}", "--json",
-           "--acceptance", f"{min(max(acceptance, 0.01), 0.99):.3f}", *flags]
+           "--acceptance", f"{min(max(acceptance, 0.01), 0.99):.3f}", "--prefill-chunk", "32",
+           "--max-context", str(a.prompt_len + a.gen + 5), *flags]  # the runs' context and pieces
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         return {"error": r.stderr[-400:]}

@@ -255,6 +255,7 @@ class _InterruptAtLayerBoundary(Observer):
 
     def __exit__(self, *exc):
         self._deferred.__exit__(*exc)
+        interrupt.clear()  # the turn is over: a Ctrl-C recorded as it ended must not stop the next one
         return False
 
 

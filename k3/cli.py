@@ -31,6 +31,10 @@ COMMANDS = {
     "demo": "demo",
 }
 
+#: the commands that look at a recorded signal between their steps (k3.interrupt); the
+#: others raise it at once, as Python does
+DEFERRED = ("run", "chat", "serve")
+
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK}  success
   {EXIT_RUNTIME}  refused to start or failed while running (memory plan, forward failure)
@@ -86,6 +90,7 @@ def main(argv=None) -> int:
     finally:
         if argv is not None:
             handlers.__exit__(None, None, None)
+            interrupt.clear(sigterm=True)  # in-process callers (tests, the API) start clean
 
 
 _exit = {"rc": EXIT_RUNTIME}
@@ -117,7 +122,11 @@ def _main(argv) -> int:
     if not getattr(args, "fn", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return _run(args)
+    if args.cmd in DEFERRED:
+        return _run(args)
+    # the other commands have no safe points to look at the record: a signal raises at once
+    with interrupt.raising():
+        return _run(args)
 
 
 def _run(args) -> int:

@@ -621,7 +621,8 @@ def projection(rep: Report, facts: ModelFacts | None, probe, opts: dict) -> None
         src += f"; the shards spread over {drives} drives (--model-dirs), each at this rate"
     rates = pj.Rates(seq, rnd, bf16, mx, f"{src}; kernels measured here", drives=drives)
     rows = pj.project(cfg, sizes, rates, opts["ram"], baseline=baseline_bytes() + KERNELS_BYTES,
-                      acceptance=opts["acceptance"], trunk_gb=opts.get("trunk_gb"), cache_gb=opts.get("cache_gb"))
+                      acceptance=opts["acceptance"], trunk_gb=opts.get("trunk_gb"), cache_gb=opts.get("cache_gb"),
+                      context=opts.get("context") or pj.CONTEXT, piece=opts.get("piece") or pj.PIECE)
     lines.extend(pj.render(rows, what, rates, opts["acceptance"]))
     rep.data["projection"] = {"model": what, "rates": {"sequential": seq, "random": rnd, "bf16": bf16, "mxfp4": mx},
                               "acceptance": opts["acceptance"], "rows": pj.as_dicts(rows)}

@@ -164,7 +164,7 @@ def _times(shape, sizes, rates: Rates, groups, hit: float | None = None) -> tupl
 
 
 def project(cfg, sizes, rates: Rates, ram_gb, *, baseline: int, acceptance: float = DEFAULT_ACCEPTANCE,
-            trunk_gb=None, cache_gb=None, context: int = CONTEXT) -> list[Projection]:
+            trunk_gb=None, cache_gb=None, context: int = CONTEXT, piece: int = PIECE) -> list[Projection]:
     from .errors import K3Error
     from .memory import planner
     from .memory.passcost import expected_emitted
@@ -178,7 +178,7 @@ def project(cfg, sizes, rates: Rates, ram_gb, *, baseline: int, acceptance: floa
             b = planner.Budgets(preset="auto", trunk="(packed)", trunk_gb=trunk_gb, cache_gb=cache_gb)
             try:
                 p = planner.plan(cfg, sizes, b, tokens=context, incremental=True, available=avail, baseline=baseline,
-                                 sequences=seqs, spec=SPEC_DRAFTS if seqs == 1 else 0, prefill_tokens=PIECE * seqs)
+                                 sequences=seqs, spec=SPEC_DRAFTS if seqs == 1 else 0, prefill_tokens=piece * seqs)
                 p.check()
                 plans[seqs] = p
             except K3Error as e:

@@ -118,6 +118,7 @@ def repl(session, console: Console, history_path: Path | None, state_path: str |
             if text is not None:
                 check_text(text, "that message")
         except KeyboardInterrupt:
+            interrupt.clear()  # spent here: a Ctrl-C left recorded would be raised again at every prompt
             err.write("\n(Ctrl-C: type /exit or press Ctrl-D to leave)\n")
             err.flush()
             continue

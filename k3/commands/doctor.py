@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
                    help="--project: the chance a draft is right, per drafted token (default 0.7)")
     p.add_argument("--trunk-gb", type=float, default=None, help="--project: fix the trunk budget, as k3 run does")
     p.add_argument("--cache-gb", type=float, default=None, help="--project: fix the expert cache, as k3 run does")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="--project: positions the projected plans hold (default 4096)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="--project: prompt tokens a projected pass reads per sequence (default 64)")
     p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
                    help="more folders holding the checkpoint's shards (one per drive); each is probed")
     p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
@@ -63,10 +67,15 @@ def run(args) -> int:
             raise UsageError(f"--acceptance is a chance between 0 and 1, got {acc}.")
         if args.disk_gbps is not None and not args.disk_gbps > 0:
             raise UsageError(f"--disk-gbps must be > 0, got {args.disk_gbps}.")
+        for flag, v in (("--max-context", args.max_context), ("--prefill-chunk", args.prefill_chunk)):
+            if v is not None and not v >= 1:
+                raise UsageError(f"{flag} must be a whole number >= 1, got {v}.")
         project = {"ram": ram, "acceptance": acc, "disk_gbps": args.disk_gbps, "trunk_gb": args.trunk_gb,
-                   "cache_gb": args.cache_gb}
-    elif any(v is not None for v in (args.ram, args.disk_gbps, args.acceptance, args.trunk_gb, args.cache_gb)):
-        raise UsageError("--ram, --disk-gbps, --acceptance, --trunk-gb and --cache-gb shape --project; add --project.")
+                   "cache_gb": args.cache_gb, "context": args.max_context, "piece": args.prefill_chunk}
+    elif any(v is not None for v in (args.ram, args.disk_gbps, args.acceptance, args.trunk_gb, args.cache_gb,
+                                     args.max_context, args.prefill_chunk)):
+        raise UsageError("--ram, --disk-gbps, --acceptance, --trunk-gb, --cache-gb, --max-context and "
+                         "--prefill-chunk shape --project; add --project.")
     rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
                      probe_dir=args.probe_dir, model_dirs=args.model_dirs, project=project)
     if args.json:

@@ -253,6 +253,7 @@ def run(args) -> int:
 def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads, line, t_start, verbose, human,
               peak_rss_bytes) -> int:
     from ..fsutil import atomic_write, atomic_write_json
+    from ..memory.sysmem import drive_read_bytes
 
     prov = eng.provider
     tok = tok or eng.tokenizer
@@ -274,12 +275,15 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
     corpus = spec_corpus_from_args(args, tok)
     steps = []
     line.start()
+    drive = {}  # /proc/self/io's read_bytes after the prompt's pass and at the end: the decode's drive bytes
     try:
         for s in eng.generate(feed, max_tokens=args.gen, sampling=sampling, incremental=args.incremental,
                               state=state, observer=observer, spec=args.spec, spec_corpus=corpus):
             observer.active = False  # the bar is for the prefill only
             line.clear()
             steps.append(s)
+            if s.step == 0:
+                drive["start"] = drive_read_bytes()
             if s.step == 0 and args.dump_logits:
                 atomic_write(args.dump_logits, s.logits.detach().float().numpy().astype("<f4").tobytes(),
                              what="the logits")
@@ -292,6 +296,7 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
                 sys.stdout.flush()
     finally:
         line.clear()
+    drive["end"] = drive_read_bytes()
     if stream_text:
         sys.stdout.write("\n")
     gen_ids = [s.token for s in steps]
@@ -301,6 +306,9 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
         err("----------------------")
     result = _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling, verbose, human,
                      peak_rss_bytes)
+    if drive.get("start") is not None and drive.get("end") is not None:
+        # what the drive itself gave the decode: the bytes read less the page cache's hits
+        result["decode_drive_bytes"] = drive["end"] - drive["start"]
     if loaded is not None:
         result["prior_ids"] = prior_tokens
         result["full_ids"] = prior_tokens + ids + gen_ids

@@ -160,6 +160,15 @@ def return_large_blocks(threshold: int = 1 << 20) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
+def drive_read_bytes() -> int | None:
+    """Bytes this process has had fetched from storage (/proc/self/io read_bytes): its
+    reads less what the page cache served. None where the kernel does not say."""
+    for line in _read("/proc/self/io").splitlines():
+        if line.startswith("read_bytes:"):
+            return _int(line.split(":", 1)[1])
+    return None
+
+
 def rss_bytes() -> int:
     """Current resident set size."""
     try:
