@@ -214,16 +214,8 @@ def _argmax(logits) -> int:
 
 
 def _as_float64(logits) -> np.ndarray:
-    try:
-        import torch
-
-        if isinstance(logits, torch.Tensor):
-            logits = logits.detach().to("cpu", torch.float32).reshape(-1).numpy()
-    except ImportError:  # pragma: no cover
-        pass
-    x = np.asarray(logits, dtype=np.float32).reshape(-1).astype(np.float64)
-    if x.size == 0:
-        raise K3Error("the model returned no logits to sample from.")
+    """The logits widened to float64, refused where no token can be picked."""
+    x = _as_float32(logits).astype(np.float64)
     m = x.max()
     if not np.isfinite(m) or np.isnan(x).any():
         raise K3Error("the logits contain NaN or no finite value, so no token can be sampled; the forward pass "
