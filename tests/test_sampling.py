@@ -172,6 +172,25 @@ def test_filter_and_pick_equal_the_contract_exactly(vocab, scale):
             assert s(x, p) == ids[min(j, len(ids) - 1)]
 
 
+def test_the_plain_sampler_gives_the_kernels_tokens(monkeypatch):
+    """K3_FUSED=0 filters with a full sort and picks with numpy, no sample kernel: the same
+    kept sets, weights and tokens as the bucketed kernels (K3's vocabulary, peaked and
+    flat rows, ties at the top)."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for vocab, scale in ((163840, 3.0), (163840, 0.5), (300, 1.0)):
+        x = (rng.standard_normal(vocab) * scale).astype(np.float32)
+        x[rng.integers(0, vocab, 50)] = x.max()
+        rows.append(x)
+    settings = ((1.0, 0.95, 0), (0.7, 0.9, 40), (1.5, 1.0, 100), (0.3, 0.999, 0), (1.0, 1.0, 0))
+    want = [(Sampler(*st, seed=4).probabilities(x), [Sampler(*st, seed=4)(x, p) for p in range(8)])
+            for x in rows for st in settings]
+    monkeypatch.setenv("K3_FUSED", "0")
+    got = [(Sampler(*st, seed=4).probabilities(x), [Sampler(*st, seed=4)(x, p) for p in range(8)])
+           for x in rows for st in settings]
+    assert got == want
+
+
 def test_bad_logits_and_settings():
     with pytest.raises(K3Error, match="NaN"):
         Sampler(1.0, 1.0, 0, 1)(torch.tensor([0.0, float("nan")]), 0)

@@ -177,7 +177,7 @@ class PassCost:
         self._seq_pool = _Running(math.log(shape.experts))
         self._batch_pool = _Running(math.log(shape.experts))
         self.rate = _Running(None)  # expert bytes per second of expert reads
-        self.outside: dict[int, _Running] = {}  # tokens in a decode pass -> its seconds outside expert reads
+        self.outside: dict[int, _Recent] = {}  # tokens in a decode pass -> its seconds outside expert reads
         self.prefill: dict[int, _Running] = {}  # the same for passes that read prompt pieces (not drafts' prices)
         self.passes = 0
         self.decode_passes = 0
