@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -224,7 +223,7 @@ class _InterruptAtLayerBoundary(Observer):
     """During a turn, Ctrl-C (and SIGTERM) are only recorded (k3.interrupt.deferred), never
     raised wherever the interpreter happens to be (inside a compiled kernel, an expert
     read, a trunk prefetch...): KeyboardInterrupt is raised at the next layer boundary
-    (this observer's on_layer) or between tokens (check). A second Ctrl-C is recorded
+    (Model.run_layers looks at the record after each layer) or between tokens (check). A second Ctrl-C is recorded
     the same way: the answer stops at the same boundary, within one layer's time (a
     Ctrl-C raised "at once" could land inside compiled code, an internal error). A
     SIGTERM raises Terminated there instead and ends the chat (exit 143). Only in the
@@ -233,16 +232,13 @@ class _InterruptAtLayerBoundary(Observer):
 
     def __init__(self, inner: Observer | None = None):
         self.inner = inner
-        self.active = threading.current_thread() is threading.main_thread()
 
     def check(self) -> None:
         interrupt.check()
 
     def on_layer(self, i: int) -> None:
-        if self.inner is not None:
+        if self.inner is not None:   # the record itself is looked at by the layer loop (Model.run_layers)
             self.inner.on_layer(i)
-        if self.active:
-            self.check()
 
     def on_route(self, layer, ids) -> None:
         if self.inner is not None:
