@@ -61,6 +61,7 @@ class Engine:
         self.pipeline = None  # this process's k3.pipeline.Stage when it is one rank of several
         self.kernels = None  # what k3.warmup.ensure did at load (the jobs, which compiled, how long)
         self.pass_cost = None  # k3.memory.passcost.PassCost: what a pass of T tokens costs, learnt as it runs
+        self.prefill_plan = None  # k3.memory.prefill.PrefillPlan: the piece the plan chose, what a prompt reads
 
     # ------------------------------------------------------------ conveniences
     @property

@@ -14,7 +14,7 @@ from .config import check_layers, load_config
 from .decode import PREFILL_CHUNK, check_prefill_chunk, max_piece, set_threads
 from .engine import Engine
 from .errors import K3Error, UsageError
-from .memory import planner, sysmem
+from .memory import planner, prefill, sysmem
 from .memory.passcost import PassCost
 from .memory.planner import Budgets
 from .model import compiled
@@ -120,8 +120,8 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
     sequences decoded together (the plan counts their KV caches and activations). ``kv``:
     the MLA KV cache form, "latent" (576 floats a position and layer for K3) or
     "expanded" (per head, 53x more; see k3.model.mla). ``prefill_chunk``: the tokens of
-    a prompt one forward pass reads (a multiple of 16; the plan sizes the activations for
-    it). ``stage_gb``: the memory this process may plan in (at most what is available).
+    a prompt one forward pass reads (a multiple of 32; the plan sizes the activations for
+    it); None: the plan chooses it (k3.memory.prefill). ``stage_gb``: the memory this process may plan in (at most what is available).
     ``notice`` receives what must be shown at once (the kernels compiling, on a first
     run: default ``log``), ``compile_progress(done, total, label, seconds)`` each group
     of kernels compiled. Weights that read as zeros (an unfinished download,
@@ -176,6 +176,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         raise UsageError(f"max_batch must be >= 1, got {max_batch}.")
     if kv not in ("latent", "expanded"):
         raise UsageError(f"--kv is latent or expanded, got {kv!r}.")
+    auto_piece = prefill_chunk is None  # the plan widens the piece (k3.memory.prefill)
     prefill_chunk = check_prefill_chunk(PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
     shape = dict(tokens=int(max_context) * int(max_batch), incremental=kv_cache,
                  prefill_tokens=max_piece(prefill_chunk) * int(max_batch), spec=spec, kv_latent=kv == "latent",
@@ -214,6 +215,11 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
         sizes = model_sizes(layout, packed, tables=stage is None or stage.rank == 0)
         plan = planner.plan(cfg, sizes, budgets, available=available, baseline=baseline,
                             n_layers=layout.layer_ids, pin_order=env.pin_order(), **shape)
+        prefill_plan = None
+        if stage is None:
+            plan, prefill_plan = prefill.widen(plan, cfg, sizes, span=int(max_context), floor_piece=prefill_chunk,
+                                               sequences=int(max_batch), auto=auto_piece)
+            prefill_chunk = prefill_plan.piece
         _show_and_check(plan, sizes, cfg, stage, say)
         t0 = time.perf_counter()
         faults = _test_faults()
@@ -237,6 +243,7 @@ def load(model_dir, *, preset: str = "auto", trunk=None, trunk_gb: float | str |
             n = layers or cfg.num_hidden_layers
             shape = dataclasses.replace(shape, moe_layers=sum(1 for i in range(n) if cfg.is_moe(i)))
         eng.pass_cost = PassCost(shape)
+        eng.prefill_plan = prefill_plan
         if stage is not None:
             eng.pipeline = stage
             if stage.rank == 0:

@@ -153,8 +153,8 @@ def test_prefill_chunk_sizes_give_identical_logits(tiny):
     with open_engine(tiny, max_context=400, prefill_chunk=64) as eng:
         list(eng.decode(ids, max_tokens=2, observer=Pieces()))
     assert Pieces.seen == [(0, 300, 64), (64, 300, 64), (128, 300, 64), (192, 300, 64), (256, 300, 44)]
-    for bad in (0, 16, 100, True, 1 << 20):
-        with pytest.raises(UsageError, match="--prefill-chunk must be a multiple of 16"):
+    for bad in (0, 16, 48, 100, True, 1 << 20):
+        with pytest.raises(UsageError, match="--prefill-chunk must be a multiple of 32"):
             open_engine(tiny, prefill_chunk=bad)
 
 

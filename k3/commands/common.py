@@ -100,7 +100,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="MLA KV cache form: latent (default; 576 floats a position and MLA layer for K3) or expanded "
                         "(every head's keys and values, 53x more memory)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="prompt tokens one forward pass reads (a multiple of 16; default 256, see docs/TUNING.md)")
+                   help="prompt tokens one forward pass reads (a multiple of 32; default: the plan's, the longest "
+                        "prompt in the fewest passes that fit, see docs/TUNING.md)")
     p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
                    help="more folders holding the checkpoint's shards (one per drive); the index in MODEL names "
                         "them, each is looked for in MODEL, then in these in order; each drive gets its own readers")

@@ -422,6 +422,7 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
                       "seed": sampling.seed} if sampling is not None else "greedy"),
         "spec": spec,
         "pass_cost": eng.pass_cost.as_dict() if eng.pass_cost is not None else None,
+        "prefill_plan": eng.prefill_plan.as_dict() if eng.prefill_plan is not None else None,
         "pipeline": _pipeline_report(eng, cfg, steps),
     }
 

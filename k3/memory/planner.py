@@ -165,30 +165,35 @@ def kv_bytes_per_position(cfg, n_layers: int | range | None = None, latent: bool
 ATTENTION_TILE_BYTES = 4 * (16 << 20)
 
 
-def activation_bytes(cfg, tokens: int) -> int:
+def activation_bytes(cfg, tokens: int, rows: int = 1) -> int:
     """Upper bound of the working set of one forward over `tokens` tokens: the AttnRes
     bank and partial sums, the widest projections of a layer (several live at once),
     fp64 norm statistics, the router's scores and sort, the MoE contributions, the
     chunked-KDA pairwise-decay scratch (a step's new KDA matrices are in the recurrent
     state row, ``recurrent_state_bytes``), attention's tiles
-    (bounded whatever the length), the logits."""
+    (bounded whatever the length), the logits of ``rows`` positions (a pass computes
+    them only where a sequence is done reading: k3.decode.Batch._logit_rows; a
+    speculative pass's drafts are counted by :func:`spec_bytes`)."""
     d = cfg.hidden_size
     banks = (cfg.num_hidden_layers // cfg.attn_res_block_size + 2) if cfg.attn_res_block_size else 1
     kda = cfg.kda_num_heads * cfg.kda_head_dim
     mla = cfg.mla_num_heads * (cfg.qk_head_dim + cfg.qk_head_dim + cfg.v_head_dim)
-    # grouped experts (k3.model.moe.routed_experts, k3.kernels.moe.expert_ffn): per (token, expert)
-    # pair its input and its contribution (2 e_in) and, by phase: the gate | up call,
-    # gate | up (2 e_mid) and the input split into even / odd halves and (AVX2, few
-    # tokens per expert) those permuted (2 e_in); the GLU, in place in gate | up and its
-    # output (3 e_mid); the down call, the GLU output, its split (2 e_mid) and the down
-    # output (e_in)
+    # grouped experts (k3.model.moe.routed_experts, k3.kernels.moe.expert_ffn): per (token,
+    # expert) pair its contribution (e_in); per tile of at most PAIR_TILE pairs, by phase:
+    # the tile's inputs and outputs (2 e_in), the gate | up call, gate | up (2 e_mid) and
+    # the input split into even / odd halves and (AVX2, few tokens per expert) those
+    # permuted (2 e_in); the GLU, in place in gate | up and its output (3 e_mid); the down
+    # call, the GLU output, its split (2 e_mid) and the down output (e_in)
+    from ..model.moe import PAIR_TILE
     e_in, e_mid = cfg.expert_in, cfg.moe_intermediate_size
-    widest = max(6 * kda, 2 * mla, 3 * cfg.intermediate_size, 3 * cfg.shared_width,
-                 cfg.num_experts_per_token * max(4 * e_in + 2 * e_mid, 2 * e_in + 3 * e_mid, 3 * e_in + 3 * e_mid))
-    per_token = 4 * ((banks + 16) * d + widest + cfg.vocab_size) + 24 * cfg.num_experts
+    k = cfg.num_experts_per_token
+    widest = max(6 * kda, 2 * mla, 3 * cfg.intermediate_size, 3 * cfg.shared_width, k * e_in)
+    tile = 4 * min(int(tokens) * k, PAIR_TILE) * max(4 * e_in + 2 * e_mid, 2 * e_in + 3 * e_mid, 3 * e_in + 3 * e_mid)
+    per_token = 4 * ((banks + 16) * d + widest) + 24 * cfg.num_experts
     chunk = 16
     kda_scratch = 4 * cfg.kda_num_heads * chunk * chunk * cfg.kda_head_dim * 4
-    return tokens * per_token + kda_scratch + ATTENTION_TILE_BYTES
+    logits = 4 * min(int(tokens), max(1, int(rows))) * cfg.vocab_size
+    return tokens * per_token + tile + kda_scratch + ATTENTION_TILE_BYTES + logits
 
 
 @dataclass(frozen=True)
@@ -496,6 +501,7 @@ class Plan:
     kv_positions: int = 0  # the positions the KV cache row holds (all sequences)
     kv_per_position: int = 0
     sequences: int = 1  # the batch the read per token is priced for
+    prefill: str = ""  # the prefill piece and what a prompt reads (k3.memory.prefill), for the summary
 
     @property
     def total(self) -> int:
@@ -520,7 +526,8 @@ class Plan:
                      f"({self.trunk.ring_slots} slot{'s' if self.trunk.ring_slots != 1 else ''})")
         return (f"memory plan: {human(self.total)} of {human(self.available)} available ({self.preset}): {trunk}, "
                 f"expert cache {self.cache_slots} slots, tables {'streamed' if self.stream_tables else 'resident'}; "
-                f"~{human(self.read_per_token)} read per token{self._at_batch()}")
+                f"~{human(self.read_per_token)} read per token{self._at_batch()}"
+                + (f"; {self.prefill}" if self.prefill else ""))
 
     def _at_batch(self) -> str:
         return f" at batch {self.sequences}" if self.sequences > 1 else ""
@@ -597,7 +604,7 @@ def _fixed_rows(cfg, n_layers: int, tokens: int, incremental: bool, baseline: in
             "prompt, fewer tokens or a smaller context.")
     rows.append(("KV cache", kv, f"{tokens} positions x {human(per)} ({'latent' if kv_latent else 'expanded'})"
                  + ("" if incremental else ", rebuilt by every full-recompute step")))
-    rows.append(("buffers", activation_bytes(cfg, min(tokens, prefill_tokens)),
+    rows.append(("buffers", activation_bytes(cfg, min(tokens, prefill_tokens), rows=sequences),
                  f"activations of {min(tokens, prefill_tokens)} tokens (prefill runs in pieces), attention "
                  "tiles, logits"))
     if spec:

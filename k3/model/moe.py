@@ -55,53 +55,85 @@ def group_format(ews) -> tuple[str | None, np.ndarray | None]:
     return fmt, np.array([k[2] for k in kinds])
 
 
+#: (token, expert) pairs one grouped call multiplies at most: a long prefill pass then
+#: holds one contribution per pair, and the phases' buffers of one tile only
+PAIR_TILE = 2048
+
+
 def routed_experts(cfg, z: torch.Tensor, ids: torch.Tensor, layer: int, provider, groups=None) -> torch.Tensor:
-    """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t], two kernel calls per group
-    of experts: the (token, expert) pairs are sorted by expert, so each expert's tokens
-    are one run of rows; gate and up of every expert in one call, the GLU over all
-    pairs at once, down in one call (expert_ffn). One token (decode) needs no sort:
-    its k experts are distinct, each reads row 0 of z, and its pairs are already in
-    top-k order. ``groups``: the provider's expert groups for these ids when the caller
-    has started reading them."""
+    """contrib [T, k, d]: contrib[t, j] = expert ids[t, j] on z[t]. The (token, expert)
+    pairs are sorted by expert, so each expert's tokens are one run of rows; per group of
+    experts the provider hands out, and per tile of at most PAIR_TILE of its pairs, one
+    grouped call (expert_ffn: gate and up, the GLU, down). One token (decode) needs no
+    sort: its k experts are distinct, each reads row 0 of z, and its pairs are already
+    in top-k order. ``groups``: the provider's expert groups for these ids when the
+    caller has started reading them."""
     T, k = ids.shape
-    d = z.shape[1]
     flat = ids.numpy().reshape(-1)
-    act = situ(cfg)
     if T == 1:
-        experts = flat.tolist()
-        x, span, dest = z, None, None
-    else:
-        order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
-        uniq, first, count = np.unique(flat[order], return_index=True, return_counts=True)
-        experts = uniq.tolist()
-        span = {e: (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
-        x = z[torch.from_numpy(order // k)]     # the pairs' inputs, grouped by expert
-        dest = {e: order[a:b].tolist() for e, (a, b) in span.items()}
-    contrib, every = None, list(range(T * k))
+        return _one_token(cfg, z, flat.tolist(), layer, provider, groups)
+    order = np.argsort(flat, kind="stable")     # pair a -> its position t * k + j
+    uniq, first, count = np.unique(flat[order], return_index=True, return_counts=True)
+    experts = uniq.tolist()
+    span = {e: (int(a), int(a + n)) for e, a, n in zip(experts, first, count)}
+    contrib = z.new_empty(T * k, z.shape[1])
+    for group in provider.expert_groups(layer, experts) if groups is None else groups:
+        for tile in _tiles(list(group.items()), span, PAIR_TILE):
+            where = np.concatenate([order[a:b] for _, _, (a, b) in tile])
+            at = np.cumsum([0] + [b - a for _, _, (a, b) in tile]).tolist()
+            x = z[torch.from_numpy(where // k)]     # the tile's inputs, grouped by expert
+            rows = list(zip(at, at[1:]))
+            contrib[torch.from_numpy(where)] = _experts_on(cfg, x, [ew for _, ew, _ in tile], rows)
+    return contrib.view(T, k, -1)
+
+
+def _tiles(items: list, span: dict, limit: int):
+    """The (expert, weights, (a, b)) runs of a group's experts, in tiles of at most
+    ``limit`` pairs (a longer run is cut into row ranges: each row is its own product)."""
+    tile, n = [], 0
+    for e, ew in items:
+        a, b = span[e]
+        while a < b:
+            take = min(b - a, limit - n) if n < limit else 0
+            if take == 0:
+                yield tile
+                tile, n = [], 0
+                continue
+            tile.append((e, ew, (a, a + take)))
+            n += take
+            a += take
+    if tile:
+        yield tile
+
+
+def _experts_on(cfg, x: torch.Tensor, ews: list, rows: list) -> torch.Tensor:
+    """[pairs, d]: expert i of ``ews`` on the rows rows[i] = (a, b) of x, in that order:
+    one grouped kernel call where the experts share a kernel format, else a linear
+    call per expert (F32 fixtures)."""
+    fmt, descs = group_format(ews)
+    if fmt is not None:
+        return torch.from_numpy(expert_ffn(fmt, x, [ew.w1 for ew in ews], [ew.w3 for ew in ews],
+                                           [ew.w2 for ew in ews], rows, situ(cfg), descs)).view(-1, x.shape[1])
+    return torch.cat([linear(glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
+                      for ew, (a, b) in zip(ews, rows)])
+
+
+def _one_token(cfg, z: torch.Tensor, experts: list, layer: int, provider, groups) -> torch.Tensor:
+    """contrib [1, k, d] of one token: every expert reads row 0; its pair is its place
+    in the top-k."""
+    contrib = None
     for group in provider.expert_groups(layer, experts) if groups is None else groups:
         if not group:
             continue
         es, ews = list(group), list(group.values())
-        if T == 1:  # every expert reads row 0; its pair is its place in the top-k
-            rows = [(0, 1)] * len(es)
-            pos = every if es == experts else [experts.index(e) for e in es]
-        else:
-            rows, pos = [span[e] for e in es], [p for e in es for p in dest[e]]
-        fmt, descs = group_format(ews)
-        if fmt is not None:
-            y = torch.from_numpy(expert_ffn(fmt, x, [ew.w1 for ew in ews], [ew.w3 for ew in ews],
-                                            [ew.w2 for ew in ews], rows, act, descs)).view(-1, d)
-            if contrib is None and pos == every:  # one group, in pair order: y is the result
-                return y.view(T, k, d)
+        y = _experts_on(cfg, z, ews, [(0, 1)] * len(es))
+        if contrib is None and es == experts:  # one group, in top-k order: y is the result
+            return y.view(1, len(experts), -1)
+        pos = [experts.index(e) for e in es]
         if contrib is None:
-            contrib = z.new_empty(T * k, d)
-        if fmt is not None:
-            contrib[pos] = y
-            continue
-        for i, (e, ew, (a, b)) in enumerate(zip(es, ews, rows)):  # no shared kernel format (F32 fixtures)
-            contrib[[pos[i]] if T == 1 else dest[e]] = linear(
-                glu_act(cfg, linear(x[a:b], ew.w1), linear(x[a:b], ew.w3)), ew.w2)
-    return contrib.view(T, k, d)
+            contrib = z.new_empty(len(experts), z.shape[1])
+        contrib[pos] = y
+    return contrib.view(1, len(experts), -1)
 
 
 def router_projections(cfg, w) -> list:
