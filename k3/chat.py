@@ -75,7 +75,6 @@ class ChatSession:
     def reset(self) -> None:
         self.state = self.engine.new_state()
         self.seq: list[int] = []  # every token of the conversation, fed or pending
-        self.bounds: list[int] = []  # offsets in seq where messages end (the prompt cache's snapshot points)
         self.messages: list[dict] = []
         self.turn = 0
 
@@ -118,27 +117,17 @@ class ChatSession:
         from .state import save_state
         return save_state(path, self.state, self.engine.cfg, pending=self.pending, extra=self.state_extra())
 
-    def _cached_feed(self, new: list[dict], turn_start: int) -> list[int]:
+    def _cached_feed(self) -> list[int]:
         """What this turn reads. With the engine's prompt cache (k3.prompt_cache) the
         whole conversation, from a fresh state the cache fills with the longest snapshot
         of it (the bits of a prefill of the conversation; the last answer, decoded one
         token at a time, is read again), its message ends given as snapshot points;
         else the tokens not yet in the carried state."""
-        pc = self.engine.prompt_cache
-        if pc is None:
+        if self.engine.prompt_cache is None:
             return self.pending
-        if turn_start == 0:
-            self.bounds = []   # a new (or re-rendered) transcript
-        elif not self.bounds or self.bounds[-1] != turn_start:
-            self.bounds.append(turn_start)   # the end of the last answer
-        if turn_start == 0 and new[0].get("role") == "system":   # the system prompt, shared by conversations
-            sys_ids = self.fmt.prompt_ids(new[:1], add_generation_prompt=False)
-            if self.seq[:len(sys_ids)] == sys_ids:
-                self.bounds.append(len(sys_ids))
-        self.bounds.append(len(self.seq))   # the end of the new message (with the answer's opening)
         from .prompt_cache import Prompt
         self.state = self.engine.new_state()
-        return Prompt(self.seq, self.bounds)
+        return Prompt(self.seq, self.fmt.message_ends(self.seq))
 
     def _check_context(self, extra: int) -> None:
         if len(self.seq) + extra > self.max_context:
@@ -160,7 +149,6 @@ class ChatSession:
         res = TurnResult()
         delta = self.fmt.turn_ids(self.messages, new)
         turn_start = len(self.seq)
-        bounds0 = list(self.bounds)
         saved = None
         if delta is None:  # the template cannot extend the transcript: re-read it all
             saved = (self.state, self.seq)
@@ -178,7 +166,7 @@ class ChatSession:
             else:
                 del self.seq[turn_start:]
             raise
-        feed = self._cached_feed(new, turn_start)
+        feed = self._cached_feed()
         res.new_tokens = len(feed)
         ans0 = res.prompt_len = len(self.seq)  # the answer's tokens are self.seq[ans0:]
         live = self.fmt.parser()  # for display only; the answer is re-parsed from seq at the end
@@ -213,7 +201,6 @@ class ChatSession:
                 res.stop = "interrupted"
                 if len(self.seq) == ans0:  # stopped while reading the new message: drop it
                     self.state.restore(snap0)
-                    self.bounds = bounds0
                     if saved is not None:
                         self.state, self.seq = saved
                     else:

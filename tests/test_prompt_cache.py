@@ -223,3 +223,48 @@ def test_flags_that_cannot_work_are_refused_before_loading(tmp_path):
                        ({"load_state": "s"}, "--load-state"), ({"incremental": False}, "--full-recompute")):
         with pytest.raises(UsageError, match=match):
             check_prompt_cache_args(argparse.Namespace(**{**ns, **bad}))
+
+
+class _Loop:
+    """The HTTP side's loop, as the scheduler's jobs see it: events land in a queue."""
+
+    def call_soon_threadsafe(self, f, *a):
+        f(*a)
+
+
+def _serve_one(model, folder, prompt):
+    """One request through a fresh server scheduler (a restart each call): its tokens,
+    the cached count its end event reports, and the scheduler's metrics text."""
+    import queue
+
+    from k3.server.metrics import Metrics
+    from k3.server.protocol import GenRequest
+    from k3.server.scheduler import Job, Scheduler
+
+    sched = Scheduler(lambda: k3.load(model, max_context=CTX, max_batch=2), max_queue=4, metrics=Metrics(),
+                      prefix_entries=4, prompt_cache=str(folder), prompt_cache_bytes=1 << 30)
+    sched.start()
+    try:
+        events = queue.Queue()
+        job = Job(GenRequest("chat", prompt, 4, None, frozenset(), [], False, False, False), _Loop(), events)
+        sched.submit(job)
+        tokens = []
+        while True:
+            ev = events.get(timeout=300)
+            assert ev["type"] != "error", ev
+            tokens += ev.get("tokens", [])
+            if ev["type"] == "end":
+                return tokens, ev["cached"], sched.metrics.render("tiny")
+    finally:
+        sched.stop()
+
+
+def test_a_restarted_server_continues_from_the_snapshots_of_the_last(models, tmp_path):
+    first = Prompt(_ids(400, 61), boundaries=[300])
+    _, cached, _ = _serve_one(models["tiny"], tmp_path, first)
+    assert cached == 0
+    second = Prompt(list(first[:310]) + _ids(90, 67), boundaries=[310])
+    tokens, cached, text = _serve_one(models["tiny"], tmp_path, second)
+    assert cached == 256 and tokens == _fresh(models["tiny"], second)[1]
+    assert 'k3_prompt_cache_disk_total{model="tiny",op="reads"} 1' in text
+    assert 'k3_prompt_tokens_cached_total{model="tiny"} 256' in text
