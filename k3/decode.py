@@ -53,9 +53,10 @@ def pieces_with_snapshots(n: int, chunk: int, points: Sequence[int] = ()) -> lis
     """prefill_pieces of n tokens, also cut at ``points`` (offsets into the n tokens where
     a snapshot of the state is wanted, k3.prompt_cache). A point is kept only where the
     pieces on both sides of it stay long enough for the chunked KDA form (CHUNK_MIN_T);
-    between kept points the pieces are those of prefill_pieces. With points that are
-    multiples of KDA's chunk from a start on that grid, every piece takes the form, and
-    the chunk boundaries, of one pass: the bits do not change."""
+    between kept points the pieces are those of prefill_pieces. With points on the prompt
+    cache's grid (k3.prompt_cache.SNAPSHOT_GRID, from a start on it), every piece takes
+    the KDA form and chunk boundaries of one pass, and ends where one pass's attention
+    sums give the same bits: the logits do not change (tests/test_prompt_cache.py)."""
     from .model.kda import CHUNK_MIN_T
     kept, prev = [], 0
     for p in sorted(points):

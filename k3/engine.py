@@ -137,14 +137,13 @@ class Engine:
         if self.pipeline is not None:
             raise UsageError("--prompt-cache is for one process: under torchrun each rank holds only its layers' "
                              "part of the state. Run without torchrun to use a prompt cache.")
-        disk = None
+        disk, warn = None, warn or (lambda msg: None)
         if folder is not None:
             ident = checkpoint_identity(self.model_dir, self.cfg, self.n_layers, self.model.kv_latent)
-            disk = DiskTier(folder, ident, self.cfg, self.n_layers, self.model.kv_latent, max_bytes,
-                            warn or (lambda msg: None))
+            disk = DiskTier(folder, ident, self.cfg, self.n_layers, self.model.kv_latent, max_bytes, warn)
         memory = MemoryTier(memory_entries, memory_bytes) if memory_entries > 0 else None
         assert SNAPSHOT_GRID % CHUNK == 0
-        self.prompt_cache = PromptCache(memory, disk, grid=SNAPSHOT_GRID, min_rest=CHUNK_MIN_T)
+        self.prompt_cache = PromptCache(memory, disk, grid=SNAPSHOT_GRID, min_rest=CHUNK_MIN_T, warn=warn)
         return self.prompt_cache
 
     @staticmethod

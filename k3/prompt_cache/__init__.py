@@ -66,10 +66,12 @@ class PromptCache:
     engine gives it: this module does not know the model's math)."""
 
     def __init__(self, memory: MemoryTier | None = None, disk=None, *, grid: int = SNAPSHOT_GRID, min_rest: int = 32,
-                 every: int = SNAPSHOT_EVERY):
+                 every: int = SNAPSHOT_EVERY, warn=None):
         if every % grid:
             raise ValueError(f"the snapshot interval {every} is not a multiple of the grid {grid}")
         self.memory, self.disk = memory, disk
+        self.warn = warn or (lambda msg: None)
+        self.broken = False  # a snapshot failed unexpectedly: no more are taken
         self.grid, self.min_rest, self.every = grid, min_rest, every
         self.lookups = self.hits = self.cached_tokens = self.snapshots = 0
 
@@ -91,7 +93,12 @@ class PromptCache:
             lo = hit.cached if hit is not None else 0
             points = [p for p in range(self.grid, len(prompt) - self.min_rest + 1, self.grid)
                       if p > lo and p >= self.min_rest]
-            got = self.disk.lookup(prompt, points, capacity) if points else None
+            try:
+                got = self.disk.lookup(prompt, points, capacity) if points else None
+            except Exception as e:  # noqa: BLE001 - a cache that cannot be read is a miss, never a failed request
+                got = None
+                self.disk.warn_once("lookup", f"warning: the prompt cache folder {self.disk.root} could not be read "
+                                              f"({type(e).__name__}: {e}): this prompt is read whole.")
             if got is not None:
                 hit = Hit(got[0], got[1], True, got[2])
         if hit is not None:
@@ -129,11 +136,18 @@ class PromptCache:
         disk's KV segments continue ``chain``)."""
         def on_snap(state):
             nonlocal chain
-            self.snapshots += 1
-            if self.disk is not None:
-                chain = self.disk.save(state, chain)
-            if self.memory is not None:
-                self.memory.put(state, exact=True, chain=chain)
+            if self.broken:
+                return
+            try:
+                if self.disk is not None:
+                    chain = self.disk.save(state, chain)
+                if self.memory is not None:
+                    self.memory.put(state, exact=True, chain=chain)
+                self.snapshots += 1
+            except Exception as e:  # noqa: BLE001 - a snapshot is never worth a failed request
+                self.broken = True
+                self.warn(f"warning: the prompt cache could not keep a snapshot ({type(e).__name__}: {e}): "
+                          "decoding goes on without taking more.")
         return on_snap
 
     def put(self, state, *, owned: bool = False) -> bool:

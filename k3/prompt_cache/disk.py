@@ -28,6 +28,8 @@ import errno
 import hashlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +47,7 @@ FORMAT = "k3-prompt-cache"
 VERSION = 1
 SUFFIX = ".k3pc"
 _KDA = ("conv_q", "conv_k", "conv_v", "S")
+STALE_SECONDS = 3600  # a write in progress (a dot-name) older than this was abandoned
 
 
 def checkpoint_identity(model_dir, cfg, n_layers: int, latent: bool) -> str:
@@ -63,8 +66,11 @@ def checkpoint_identity(model_dir, cfg, n_layers: int, latent: bool) -> str:
     except OSError:
         shards = []
     for p in shards:
-        st = p.stat()
-        h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        try:
+            st = p.stat()
+            h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        except OSError:
+            h.update(f"|{p.name}:?".encode())
     return h.hexdigest()
 
 
@@ -232,7 +238,14 @@ class DiskTier:
         from ..checkpoint.writer import write_safetensors
         meta = {"format": FORMAT, "version": str(VERSION), "kind": kind, "identity": self.identity,
                 "sha256": checksum(tensors), "written_by": f"k3 {__version__}", **meta}
-        write_safetensors(path, tensors, metadata=meta, fsync=False, what="a prompt cache entry")
+        # a name of its own, then renamed: writers in other processes or threads never share a half file
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}")
+        write_safetensors(tmp, tensors, metadata=meta, fsync=False, what="a prompt cache entry")
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _write_kv(self, state, a: int, b: int, key_b: str) -> None:
         tensors = []
@@ -256,13 +269,14 @@ class DiskTier:
         for sub in _listdir(self.root):
             if sub.name.startswith("k3pc-") and sub.is_dir():
                 for f in _listdir(sub):
-                    if f.name.startswith("."):   # a write in progress (k3.fsutil.atomic_write)
-                        continue
                     try:
                         st = f.stat()
                     except OSError:
                         continue
-                    out.append((st.st_mtime, st.st_size, f))
+                    if not f.name.startswith("."):
+                        out.append((st.st_mtime, st.st_size, f))
+                    elif time.time() - st.st_mtime > STALE_SECONDS:   # left by a writer that died before its rename
+                        f.unlink(missing_ok=True)
         return out
 
     def evict(self) -> None:
