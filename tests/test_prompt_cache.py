@@ -304,3 +304,47 @@ def test_two_writers_sharing_a_folder_never_leave_a_half_entry(models, tmp_path)
             for k in ("conv_q", "conv_k", "conv_v", "S", "k", "v"):
                 if hasattr(a, k) and getattr(a, k) is not None:
                     assert torch.equal(getattr(a, k), getattr(b, k)), k
+
+
+def test_k3_serve_reports_disk_hits_in_both_apis_after_a_restart(models, tmp_path):
+    """`k3 serve --prompt-cache DIR --prefix-cache 0`, restarted: a chat with the same
+    system prompt continues from the first server's snapshot, reported as OpenAI's
+    cached_tokens and Anthropic's cache_read_input_tokens, with a fresh prefill's tokens."""
+    import anthropic
+    from test_server import ServerProc
+
+    from k3.chat_format import chat_format_for
+    from k3.config import load_config
+    from k3.tokenizer import Tokenizer
+
+    model = models["tiny"]
+    system = " ".join(f"rule {i}: be brief." for i in range(25))
+    args = ("--prompt-cache", str(tmp_path / "pc"), "--prefix-cache", "0", "--max-context", "1024")
+    fmt = chat_format_for(Tokenizer(model), load_config(model))
+
+    def ask(s, text):
+        m = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        r = s.client().chat.completions.create(model="tiny", messages=m, max_tokens=4, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        assert r.usage.prompt_tokens == len(fmt.prompt_ids(m))
+        return r, fmt.prompt_ids(m)
+
+    s = ServerProc(model, *args)
+    try:
+        r, _ = ask(s, "first")
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert s.stop() == 0, "".join(s.err)
+    s = ServerProc(model, *args)
+    try:
+        r, p = ask(s, "second")
+        assert r.usage.prompt_tokens_details.cached_tokens >= 256
+        with k3.load(model, max_context=1024) as eng:
+            assert r.choices[0].token_ids == [st.token for st in eng.decode(p, max_tokens=4, stop_ids=fmt.stop_ids)]
+        a = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120).messages.create(
+            model="tiny", system=system, messages=[{"role": "user", "content": "third"}], max_tokens=4)
+        assert a.usage.cache_read_input_tokens >= 256
+        from test_server import metrics
+        assert metrics(s)['k3_prompt_cache_disk_total{op="reads"}'] >= 2
+    finally:
+        assert s.stop() == 0, "".join(s.err)

@@ -314,6 +314,7 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
         result["decode_drive_bytes"] = drive["end"] - drive["start"]
     if eng.prompt_cache is not None:
         result["cached_tokens"] = steps[0].cached if steps else 0
+        err(f"prompt cache: {result['cached_tokens']} of {len(ids)} prompt tokens continued from {args.prompt_cache}")
     if loaded is not None:
         result["prior_ids"] = prior_tokens
         result["full_ids"] = prior_tokens + ids + gen_ids
