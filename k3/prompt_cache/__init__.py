@@ -31,11 +31,12 @@ from typing import Sequence
 from .memory import MemoryTier, copy_state, state_bytes  # noqa: F401 - the memory tier's helpers live there
 
 #: snapshot points lie on multiples of this many positions from position 0. KDA's chunk
-#: (16) is not enough: a prefill piece's end is also where the attention's softmax sums
-#: of its queries stop (k3.model.mla), and torch's vectorized sum groups its terms
-#: by their offset in blocks: pieces ending at odd multiples of 16 measured different
-#: bits than one pass, multiples of 32 the same. 256 (PREFILL_CHUNK) leaves a margin
-#: for wider vector units, and puts the snapshots where a default prefill cuts anyway.
+#: (16) is not enough: a prefill piece's end is also where the softmax denominators of
+#: its queries stop (``p.sum(-1)`` over keys 0..piece end, k3.model.mla._online_softmax,
+#: zeros past each query), and torch's vectorized sum groups terms by their offset in
+#: blocks of 32 on AVX2 (64 with AVX-512): a piece ending at an odd multiple of 16 gave
+#: other bits than one pass. 256 (PREFILL_CHUNK) is a multiple of both, and puts the
+#: snapshots where a default prefill cuts anyway.
 SNAPSHOT_GRID = 256
 #: a snapshot every this many prefill tokens (a multiple of SNAPSHOT_GRID). Each costs
 #: a write of the KDA state (K3: about 100 MB) and of the MLA latent KV since the last
