@@ -34,9 +34,9 @@ from .memory import MemoryTier, copy_state, state_bytes  # noqa: F401 - the memo
 #: (16) is not enough: a prefill piece's end is also where the softmax denominators of
 #: its queries stop (``p.sum(-1)`` over keys 0..piece end, k3.model.mla._online_softmax,
 #: zeros past each query), and torch's vectorized sum groups terms by their offset in
-#: blocks of 32 on AVX2 (64 with AVX-512): a piece ending at an odd multiple of 16 gave
-#: other bits than one pass. 256 (PREFILL_CHUNK) is a multiple of both, and puts the
-#: snapshots where a default prefill cuts anyway.
+#: blocks (32 measured on an AVX-512 Xeon): a piece ending at an odd multiple of 16 gave
+#: other bits than one pass. 256 (PREFILL_CHUNK) leaves a margin for wider blocks, and
+#: puts the snapshots where a default prefill cuts anyway.
 SNAPSHOT_GRID = 256
 #: a snapshot every this many prefill tokens (a multiple of SNAPSHOT_GRID). Each costs
 #: a write of the KDA state (K3: about 100 MB) and of the MLA latent KV since the last
