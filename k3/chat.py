@@ -117,6 +117,18 @@ class ChatSession:
         from .state import save_state
         return save_state(path, self.state, self.engine.cfg, pending=self.pending, extra=self.state_extra())
 
+    def _cached_feed(self) -> list[int]:
+        """What this turn reads. With the engine's prompt cache (k3.prompt_cache) the
+        whole conversation, from a fresh state the cache fills with the longest snapshot
+        of it (the bits of a prefill of the conversation; the last answer, decoded one
+        token at a time, is read again), its message ends given as snapshot points;
+        else the tokens not yet in the carried state."""
+        if self.engine.prompt_cache is None:
+            return self.pending
+        from .prompt_cache import Prompt
+        self.state = self.engine.new_state()
+        return Prompt(self.seq, self.fmt.message_ends(self.seq))
+
     def _check_context(self, extra: int) -> None:
         if len(self.seq) + extra > self.max_context:
             raise UsageError(
@@ -154,7 +166,8 @@ class ChatSession:
             else:
                 del self.seq[turn_start:]
             raise
-        res.new_tokens = len(self.pending)
+        feed = self._cached_feed()
+        res.new_tokens = len(feed)
         ans0 = res.prompt_len = len(self.seq)  # the answer's tokens are self.seq[ans0:]
         live = self.fmt.parser()  # for display only; the answer is re-parsed from seq at the end
         emit = on_text or (lambda ch, s: None)
@@ -162,12 +175,12 @@ class ChatSession:
         budget = min(self.max_tokens, self.max_context - len(self.seq))
         with _InterruptAtLayerBoundary(self.observer) as intr:
             try:
-                for st in self.engine.decode(self.pending, state=self.state, max_tokens=budget,
+                for st in self.engine.decode(feed, state=self.state, max_tokens=budget,
                                              sampler=self._sampler(), stop_ids=self.fmt.stop_ids,
                                              observer=intr, undo_on_interrupt=True, spec=self.spec,
                                              spec_corpus=self.spec_corpus):
                     if st.step == 0:
-                        res.prefill_seconds = st.seconds
+                        res.prefill_seconds, res.new_tokens = st.seconds, st.fed
                         if on_prefill_done is not None:
                             on_prefill_done()
                     else:

@@ -510,6 +510,13 @@ class ChatFormat:
     def prompt_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         raise NotImplementedError
 
+    def message_ends(self, ids: Sequence[int]) -> list[int]:
+        """Offsets in rendered ``ids`` just past each message (its end token, one of
+        stop_ids: special tokens are never split, so one pass over the ids finds them), and
+        its whole length: where conversations sharing a start part (the prompt cache's
+        snapshot points, k3.prompt_cache)."""
+        return [i + 1 for i, t in enumerate(ids) if t in self.stop_ids] + [len(ids)]
+
     def turn_ids(self, history: Sequence[dict], new: Sequence[dict]) -> list[int] | None:
         """Tokens to append after a transcript holding `history` (closed) so that it
         holds `history + new` and the generation prompt; None when the format cannot

@@ -57,6 +57,26 @@ def prefill_pieces(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+def pieces_with_snapshots(n: int, chunk: int, points: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """prefill_pieces of n tokens, also cut at ``points`` (offsets into the n tokens where
+    a snapshot of the state is wanted, k3.prompt_cache). A point is kept only where the
+    pieces on both sides of it stay long enough for the chunked KDA form (CHUNK_MIN_T);
+    between kept points the pieces are those of prefill_pieces. With points on the prompt
+    cache's grid (k3.prompt_cache.SNAPSHOT_GRID, from a start on it), every piece takes
+    the KDA form and chunk boundaries of one pass, and ends where one pass's attention
+    sums give the same bits: the logits do not change (tests/test_prompt_cache.py)."""
+    from .model.kda import CHUNK_MIN_T
+    kept, prev = [], 0
+    for p in sorted(points):
+        if p - prev >= CHUNK_MIN_T and n - p >= CHUNK_MIN_T:
+            kept.append(p)
+            prev = p
+    out = []
+    for a, b in zip([0] + kept, kept + [n]):
+        out += [(a + x, a + y) for x, y in prefill_pieces(b - a, chunk)]
+    return out
+
+
 
 def greedy(logits: torch.Tensor) -> int:
     """First index of the maximum (the C engine's argmax rule)."""
@@ -79,6 +99,7 @@ class Step:
     trunk_bytes_read: int = 0
     table_bytes_read: int = 0
     net_bytes: int = 0  # activations sent between the ranks of a pipeline (k3.pipeline), this step
+    cached: int = 0  # on step 0: prompt tokens continued from a kept state (k3.prompt_cache), not read
     io_seconds: float = 0.0  # device time of the reads (they overlap compute)
     finish: str | None = None  # on the last step: "stop" (a stop token) or "length"
     pass_index: int = 0  # the weight pass that produced it (one pass emits several tokens with --spec)
@@ -171,6 +192,9 @@ class Request:
     withheld: int = 0  # drafts of this pass not read
     tokens: list = field(default_factory=list)  # emitted so far
     carry: dict = field(default_factory=dict)  # time, tokens and I/O of passes that emitted nothing yet
+    cached: int = 0  # prompt tokens continued from a kept state (k3.prompt_cache), not read: Step 0 says so
+    snap_at: list = field(default_factory=list)  # positions of its prefill where on_snap takes the state
+    on_snap: object = None  # called with the state when it holds exactly snap_at[0] tokens
 
     @property
     def finished(self) -> bool:
@@ -302,6 +326,7 @@ class Batch:
                 out.append((r, self._emit(r, logits[w], snap, len(active))))
         for st, snap in zip(states, snaps):  # the pass is settled: its undo snapshots go
             st.release(snap)
+        self._snapshots_due(active)
         return out
 
     # ------------------------------------------------------------ the parts of a pass, in step()'s order
@@ -311,11 +336,31 @@ class Batch:
         token."""
         if not r.incremental and not r.reading:  # full recompute: re-read the whole sequence
             r.work, r.reading = self.engine.model.new_state(len(r.seq)), list(r.seq)
-        piece = r.reading[:prefill_pieces(len(r.reading), self.engine.prefill_chunk)[0][1]]
+        piece = r.reading[:self._piece_end(r)]
         if self.observer is not None and (len(piece) < len(r.reading) or r.carry.get("fed")):
             done = r.carry.get("fed", 0)  # a prompt read in several passes: where it is
             self.observer.on_prefill(done, done + len(r.reading), len(piece))
         return piece
+
+    def _piece_end(self, r: Request) -> int:
+        """How many of ``r``'s tokens to read this pass: its next prefill piece, cut at its
+        next snapshot point (pieces_with_snapshots)."""
+        at = r.state.position if r.incremental and r.state is not None else 0
+        points = [p - at for p in r.snap_at if at < p < at + len(r.reading)] if r.on_snap is not None else []
+        return pieces_with_snapshots(len(r.reading), self.engine.prefill_chunk, points)[0][1]
+
+    def _snapshots_due(self, active: list[Request]) -> None:
+        """After a pass: each sequence whose state now holds exactly its next snapshot
+        point's tokens hands it to on_snap (points it went past are dropped)."""
+        for r in active:
+            if r.on_snap is None or not r.snap_at or not r.incremental:
+                continue
+            n = r.state.position
+            while r.snap_at and r.snap_at[0] < n:
+                r.snap_at.pop(0)
+            if r.snap_at and r.snap_at[0] == n:
+                r.snap_at.pop(0)
+                r.on_snap(r.state)
 
     @staticmethod
     def _snapshot(active: list[Request], states: list) -> list:
@@ -390,6 +435,7 @@ class Batch:
             finish = "stop" if tok in r.stop_ids else "length" if r.emitted == r.max_tokens - 1 else None
             steps.append(Step(r.emitted, tok, finish=finish, pass_index=r.passes, batch=batch,
                               logits=rows[j].clone() if r.keep_logits or r.emitted == 0 else None,
+                              cached=r.cached if r.emitted == 0 else 0,
                               **(report if j == 0 else _NO_REPORT)))
             r.emitted += 1
             r.tokens.append(tok)

@@ -62,6 +62,7 @@ class Engine:
         self.kernels = None  # what k3.warmup.ensure did at load (the jobs, which compiled, how long)
         self.pass_cost = None  # k3.memory.passcost.PassCost: what a pass of T tokens costs, learnt as it runs
         self.prefill_plan = None  # k3.memory.prefill.PrefillPlan: the piece the plan chose, what a prompt reads
+        self.prompt_cache = None  # k3.prompt_cache.PromptCache: decode() continues prompts from it (open_prompt_cache)
 
     # ------------------------------------------------------------ conveniences
     @property
@@ -104,11 +105,52 @@ class Engine:
         :class:`Batch`). A forward pass that fails (a read error, numbers that stop being
         finite: NumericError, naming the step and where) is undone before the error
         propagates, so ``state`` stays usable; with ``undo_on_interrupt``, so is one cut
-        short by KeyboardInterrupt."""
+        short by KeyboardInterrupt. With a prompt cache (:meth:`open_prompt_cache`), a new
+        sequence (no ``state``, or an empty one, which then holds what it continues from)
+        starts from the longest kept prefix of ``feed``, and its prefill leaves snapshots
+        (``feed`` a k3.prompt_cache.Prompt: at its message boundaries too)."""
         batch = Batch(self, observer=observer, undo_on_interrupt=undo_on_interrupt)
-        req = batch.add(feed, state=state, incremental=incremental, max_tokens=max_tokens, sampler=sampler,
-                        stop_ids=stop_ids, keep_logits=keep_logits, spec=spec, spec_corpus=spec_corpus)
+        cache, hit = self.prompt_cache, None
+        if cache is not None and incremental and (state is None or not state.ids):   # a new sequence
+            self.check_length(0, len(feed), max_tokens)
+            hit = cache.lookup(feed, self.max_context)
+            if hit is not None:   # continued from the longest kept prefix (a caller's empty state now holds it)
+                if state is None:
+                    state = hit.state
+                else:
+                    state.layers, state.ids = hit.state.layers, hit.state.ids
+        req = batch.add(feed[hit.cached:] if hit else feed, state=state, incremental=incremental,
+                        max_tokens=max_tokens, sampler=sampler, stop_ids=stop_ids, keep_logits=keep_logits, spec=spec,
+                        spec_corpus=spec_corpus)
+        if cache is not None:
+            cache.attach(req, hit, getattr(feed, "boundaries", ()))
         return self._steps(batch, req)  # a request refused above raises here, not at the first step
+
+    def open_prompt_cache(self, folder=None, *, max_bytes: int = 0, memory_entries: int = 0, memory_bytes: int = 0,
+                          warn=None):
+        """The engine's prompt cache (k3.prompt_cache): a memory tier of ``memory_entries``
+        states within ``memory_bytes``, and with ``folder`` a disk tier within
+        ``max_bytes`` (``warn``: prints its one-line warnings). decode() then continues
+        every new sequence from it; returns it."""
+        from .model.kda import CHUNK, CHUNK_MIN_T
+        from .prompt_cache import SNAPSHOT_EVERY, SNAPSHOT_GRID, MemoryTier, PromptCache
+        from .prompt_cache.disk import DiskTier, checkpoint_identity
+        if self.pipeline is not None:
+            raise UsageError("--prompt-cache is for one process: under torchrun each rank holds only its layers' "
+                             "part of the state. Run without torchrun to use a prompt cache.")
+        disk, warn = None, warn or (lambda msg: None)
+        if folder is not None:
+            ident = checkpoint_identity(self.model_dir, self.cfg, self.n_layers, self.model.kv_latent)
+            disk = DiskTier(folder, ident, self.cfg, self.n_layers, self.model.kv_latent, max_bytes, warn)
+        memory = MemoryTier(memory_entries, memory_bytes) if memory_entries > 0 else None
+        assert SNAPSHOT_GRID % CHUNK == 0
+        # a snapshot every pass of a long span: each point cuts a pass, and a pass at K3's
+        # ratio reads nearly the whole pool, so the points between message ends fall where
+        # the plan's pieces end anyway
+        every = max(SNAPSHOT_EVERY, -(-self.prefill_chunk // SNAPSHOT_GRID) * SNAPSHOT_GRID)
+        self.prompt_cache = PromptCache(memory, disk, grid=SNAPSHOT_GRID, min_rest=CHUNK_MIN_T, every=every,
+                                        warn=warn)
+        return self.prompt_cache
 
     @staticmethod
     def _steps(batch: "Batch", req: "Request") -> Iterator[Step]:

@@ -135,6 +135,16 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def checksum(tensors) -> str:
+    """sha256 of the data section: every tensor's bytes, in order (the `sha256` field)."""
+    h = hashlib.sha256()
+    for _, t in tensors:
+        mv = _tensor_bytes(t)
+        for i in range(0, len(mv), _CHUNK):
+            h.update(mv[i:i + _CHUNK])
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------- save
 def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), extra: dict | None = None,
                fsync: bool = True) -> int:
@@ -148,11 +158,6 @@ def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), ex
                          "single-process run (without torchrun).")
     ids = [int(t) for t in state.ids] + [int(t) for t in pending]
     tensors = [("ids", torch.tensor(ids, dtype=torch.int64))] + _layer_tensors(cfg, state)
-    h = hashlib.sha256()
-    for _, t in tensors:
-        mv = _tensor_bytes(t)
-        for i in range(0, len(mv), _CHUNK):
-            h.update(mv[i:i + _CHUNK])
     meta = {
         "format": FORMAT,
         "version": str(VERSION),
@@ -164,7 +169,7 @@ def save_state(path, state: InferenceState, cfg, pending: Sequence[int] = (), ex
         "n_layers": str(len(state.layers)),
         "positions": str(state.position),
         "tokens": str(len(ids)),
-        "sha256": h.hexdigest(),
+        "sha256": checksum(tensors),
         "kv_form": _kv_form(state),
         "extra": json.dumps(extra or {}, ensure_ascii=False),
         "written_by": f"k3 {__version__}",
@@ -181,7 +186,7 @@ def _refuse(path, why: str) -> StateFileError:
     return StateFileError(f"REFUSING to load {path}: {why}")
 
 
-def read_state_header(path) -> tuple[dict, dict, int, int]:
+def read_state_header(path, fmt: str = FORMAT) -> tuple[dict, dict, int, int]:
     """(metadata, tensor entries, data start, file size); refuses files that are not
     k3 state files or are cut short. Every refusal is a StateFileError naming the file."""
     p = Path(path)
@@ -218,7 +223,7 @@ def read_state_header(path) -> tuple[dict, dict, int, int]:
     meta = hdr.pop("__metadata__", None)
     if meta is None:
         meta = {}
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
         raise _refuse(path, "it is not a k3 conversation state file (a safetensors file without k3 state "
                             "metadata; a model shard, perhaps?). Give a file written by --save-state.")
     return meta, hdr, 8 + n, size
@@ -252,6 +257,81 @@ def _extra(path, meta: dict) -> dict:
         raise _refuse(path, f"its metadata field `extra` holds {json_kind(extra)}, not a JSON object; the file is "
                             "damaged.")
     return extra
+
+
+def _layout(path, entries: dict, start: int, size: int, expect: list) -> list:
+    """Where each expected tensor (name, dtype, shape) lies in the data section: the
+    header's entries checked against ``expect``, in order, and the file's size against
+    their end; anything else is a refusal naming the tensor."""
+    names = {e[0] for e in expect}
+    extra_names = sorted(set(entries) - names)
+    if extra_names:
+        raise _refuse(path, f"it holds tensors this model's state has no place for "
+                            f"({', '.join(short_repr(n, 40) for n in extra_names[:3])}); "
+                            "the file is damaged or from another model.")
+    end = 0
+    layout = []
+    for name, dt, shape in expect:
+        e = entries.get(name)
+        if e is None:
+            raise _refuse(path, f"tensor {name} is missing; the file is damaged.")
+        if not isinstance(e, dict):
+            raise _refuse(path, f"the header entry of tensor {name} is {json_kind(e)}, not an object; the file is "
+                                "damaged.")
+        e_dt, e_shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if (e_dt != dt or not isinstance(e_shape, list) or not all(type(x) is int for x in e_shape)
+                or tuple(e_shape) != shape):
+            raise _refuse(path, f"tensor {name} is {short_repr(e_dt, 20)} {short_repr(e_shape, 40)}, expected {dt} "
+                                f"{list(shape)}; the file is damaged or from another model.")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
+            raise _refuse(path, f"tensor {name}'s data_offsets {short_repr(offs, 40)} is not a pair of integers; the "
+                                "file is damaged.")
+        b, t = offs
+        nbytes = math.prod(shape) * _DT[dt][1]
+        if b != end or t != b + nbytes:
+            raise _refuse(path, f"tensor {name} is not where the format puts it; the file is damaged.")
+        end = t
+        layout.append((name, dt, shape, b))
+    if start + end != size:
+        if start + end > size:
+            raise _refuse(path, f"the file is truncated: it should be {start + end} bytes and it is {size}.")
+        raise _refuse(path, f"the file has {size - start - end} bytes after its last tensor; it is damaged.")
+
+    return layout
+
+
+def read_tensors(path, entries: dict, start: int, size: int, expect: list, sha: str) -> dict:
+    """The tensors ``expect`` lists ([(name, "F32"|"I64", shape)], in the order they were
+    written) of a file whose header read_state_header gave (``entries``, ``start``,
+    ``size``), checked: layout, size, and the data's sha256 against ``sha``."""
+    layout = _layout(path, entries, start, size, expect)
+    h = hashlib.sha256()
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise StateFileError(f"{path}: cannot read the state file ({e.strerror}).") from None
+    with f:
+        for name, dt, shape, b in layout:
+            t = torch.empty(shape, dtype=_DT[dt][0])
+            mv = _tensor_bytes(t)
+            got = 0
+            try:
+                f.seek(start + b)
+                while got < len(mv):
+                    n = f.readinto(mv[got:got + _CHUNK])
+                    if not n:
+                        raise _refuse(path, f"the file is truncated inside tensor {name}.")
+                    got += n
+            except OSError as e:
+                raise StateFileError(
+                    f"{path}: reading tensor {name} of the state file failed ({e.strerror or e}).") from None
+            for i in range(0, len(mv), _CHUNK):
+                h.update(mv[i:i + _CHUNK])
+            tensors[name] = t
+    if sha != h.hexdigest():
+        raise _refuse(path, "its checksum does not match its contents; the file is damaged.")
+    return tensors
 
 
 def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None = None,
@@ -317,66 +397,7 @@ def load_state(path, cfg, max_positions: int | None = None, n_layers: int | None
             break
         shapes = _mla_shapes(cfg, positions, latent) if cfg.is_mla(i) else _kda_shapes(cfg)
         expect += [(f"layers.{i}.{k}", "F32", s) for k, s in shapes.items()]
-    names = {e[0] for e in expect}
-    extra_names = sorted(set(entries) - names)
-    if extra_names:
-        raise _refuse(path, f"it holds tensors this model's state has no place for "
-                            f"({', '.join(short_repr(n, 40) for n in extra_names[:3])}); "
-                            "the file is damaged or from another model.")
-    end = 0
-    layout = []
-    for name, dt, shape in expect:
-        e = entries.get(name)
-        if e is None:
-            raise _refuse(path, f"tensor {name} is missing; the file is damaged.")
-        if not isinstance(e, dict):
-            raise _refuse(path, f"the header entry of tensor {name} is {json_kind(e)}, not an object; the file is "
-                                "damaged.")
-        e_dt, e_shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if (e_dt != dt or not isinstance(e_shape, list) or not all(type(x) is int for x in e_shape)
-                or tuple(e_shape) != shape):
-            raise _refuse(path, f"tensor {name} is {short_repr(e_dt, 20)} {short_repr(e_shape, 40)}, expected {dt} "
-                                f"{list(shape)}; the file is damaged or from another model.")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
-            raise _refuse(path, f"tensor {name}'s data_offsets {short_repr(offs, 40)} is not a pair of integers; the "
-                                "file is damaged.")
-        b, t = offs
-        nbytes = math.prod(shape) * _DT[dt][1]
-        if b != end or t != b + nbytes:
-            raise _refuse(path, f"tensor {name} is not where the format puts it; the file is damaged.")
-        end = t
-        layout.append((name, dt, shape, b))
-    if start + end != size:
-        if start + end > size:
-            raise _refuse(path, f"the file is truncated: it should be {start + end} bytes and it is {size}.")
-        raise _refuse(path, f"the file has {size - start - end} bytes after its last tensor; it is damaged.")
-
-    h = hashlib.sha256()
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise StateFileError(f"{path}: cannot read the state file ({e.strerror}).") from None
-    with f:
-        for name, dt, shape, b in layout:
-            t = torch.empty(shape, dtype=_DT[dt][0])
-            mv = _tensor_bytes(t)
-            got = 0
-            try:
-                f.seek(start + b)
-                while got < len(mv):
-                    n = f.readinto(mv[got:got + _CHUNK])
-                    if not n:
-                        raise _refuse(path, f"the file is truncated inside tensor {name}.")
-                    got += n
-            except OSError as e:
-                raise StateFileError(
-                    f"{path}: reading tensor {name} of the state file failed ({e.strerror or e}).") from None
-            for i in range(0, len(mv), _CHUNK):
-                h.update(mv[i:i + _CHUNK])
-            tensors[name] = t
-    if sha != h.hexdigest():
-        raise _refuse(path, "its checksum does not match its contents; the file is damaged.")
+    tensors = read_tensors(path, entries, start, size, expect, sha)
     ids = tensors["ids"].tolist()
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:

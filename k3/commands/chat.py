@@ -16,8 +16,9 @@ from pathlib import Path
 
 from .. import interrupt
 from ..errors import EXIT_OK, K3Error, UsageError
-from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
-                     check_model_dir, check_output_path, check_text, sampling_from_args, spec_corpus_from_args)
+from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
+                     add_spec_args, budgets_from_args, check_model_dir, check_output_path, check_prompt_cache_args,
+                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args)
 
 HELP = "talk to the model (interactive, streaming, state kept between turns)"
 DESCRIPTION = "Interactive chat. Each turn reads only the new tokens on top of the carried KDA/KV state."
@@ -219,6 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-state", metavar="PATH", help="continue the conversation saved in this state file")
     p.add_argument("--format", choices=("auto", "xtml", "jinja"), default="auto",
                    help="chat format: K3 XTML or the folder's Jinja chat_template (default: by model)")
+    add_prompt_cache_args(p)
     add_model_args(p)
     add_spec_args(p)
     add_sampling_args(p)
@@ -250,6 +252,7 @@ def run(args) -> int:
     if args.max_context < 2:
         raise UsageError(f"--max-context must be >= 2, got {args.max_context}.")
     check_output_path(args.save_state, "--save-state")
+    check_prompt_cache_args(args)
     budgets = budgets_from_args(args)
     threads = set_threads(args.threads)
     cfg = load_config(args.config or args.model)
@@ -291,6 +294,7 @@ def run(args) -> int:
         say(eng.plan.summary())
     try:
         err.write(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s, {threads} threads\n")
+        open_prompt_cache(eng, args)
         session = ChatSession(eng, fmt, system=system, sampling=sampling, max_context=args.max_context,
                               max_tokens=args.max_tokens, spec=args.spec, spec_corpus=spec_corpus_from_args(args, tok))
         if loaded is not None:

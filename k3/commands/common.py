@@ -246,3 +246,43 @@ class CompileReport:
             self.stream.write("\r" + " " * 96 + "\r")
             self.stream.flush()
             self._shown = False
+
+
+# ---------------------------------------------------------------- the prompt cache (k3.prompt_cache)
+DEFAULT_PROMPT_CACHE_GB = 20.0
+
+
+def add_prompt_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt cache")
+    g.add_argument("--prompt-cache", metavar="DIR",
+                   help="keep snapshots of prefills in DIR (created if needed) and continue each prompt from the "
+                        "longest one of its prefix, whichever run wrote it: the same tokens and logits as reading "
+                        "it whole (docs/TUNING.md, \"Prompt cache\")")
+    g.add_argument("--prompt-cache-gb", type=float, default=DEFAULT_PROMPT_CACHE_GB, metavar="X",
+                   help=f"the most the snapshots in DIR take on disk (default {DEFAULT_PROMPT_CACHE_GB:g}; the "
+                        "least recently used go first)")
+
+
+def check_prompt_cache_args(args) -> None:
+    """Refuse, before loading, a --prompt-cache that is a file or a budget that is not
+    positive (a folder that cannot be written is a warning later: the run goes on)."""
+    folder = getattr(args, "prompt_cache", None)
+    if folder is None:
+        return
+    if getattr(args, "load_state", None) or not getattr(args, "incremental", True) or getattr(args, "batch", None):
+        raise UsageError("--prompt-cache continues new prompts, read incrementally, from its snapshots: it does not "
+                         "go with --load-state (a state file carries its own state), --full-recompute or --batch.")
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UsageError(f"--prompt-cache {folder}: that is a file; give a folder (it is created if needed).")
+    if not args.prompt_cache_gb > 0:
+        raise UsageError(f"--prompt-cache-gb must be > 0, got {args.prompt_cache_gb}.")
+
+
+def open_prompt_cache(eng, args, memory_entries: int = 0, memory_bytes: int = 0):
+    """The engine's prompt cache from the flags (None without --prompt-cache and a
+    memory tier); its warnings go to stderr."""
+    folder = getattr(args, "prompt_cache", None)
+    if folder is None and memory_entries <= 0:
+        return None
+    return eng.open_prompt_cache(folder, max_bytes=int(args.prompt_cache_gb * 1e9), memory_entries=memory_entries,
+                                 memory_bytes=memory_bytes, warn=lambda msg: err(f"k3: {msg}"))

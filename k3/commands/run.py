@@ -16,9 +16,9 @@ from pathlib import Path
 
 from .. import interrupt
 from ..errors import EXIT_OK, UsageError
-from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
-                     check_model_dir, check_output_path, check_text, err, sampling_from_args, spec_corpus_from_args,
-                     spec_summary)
+from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
+                     add_spec_args, budgets_from_args, check_model_dir, check_output_path, check_prompt_cache_args, err,
+                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args, spec_summary)
 
 HELP = "generate tokens from a prompt"
 MAX_GEN = 4096
@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the run, write the carried state (ids, KDA/conv state, MLA KV) here")
     p.add_argument("--load-state", metavar="PATH",
                    help="resume from a state file; the prompt is appended to its sequence")
+    add_prompt_cache_args(p)
     add_budget_args(p)
     add_sampling_args(p)
 
@@ -185,6 +186,7 @@ def run(args) -> int:
                          "layers' part of the state. Run without torchrun to save or resume a state file.")
     if (args.save_state or args.load_state) and not args.incremental:
         raise UsageError("--save-state/--load-state carry the incremental state; drop --full-recompute.")
+    check_prompt_cache_args(args)
     for path, flag in ((args.out, "--out"), (args.dump_logits, "--dump-logits"), (args.save_state, "--save-state")):
         check_output_path(path, flag)
     budgets = budgets_from_args(args)
@@ -244,6 +246,7 @@ def run(args) -> int:
     for n in notes:
         err(n)
     try:
+        open_prompt_cache(eng, args)
         return _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads, line, t_start,
                          verbose, human, peak_rss_bytes)
     finally:
@@ -309,6 +312,9 @@ def _generate(args, eng, cfg, ids, tok, loaded, prior_tokens, sampling, threads,
     if drive.get("start") is not None and drive.get("end") is not None:
         # what the drive itself gave the decode: the bytes read less the page cache's hits
         result["decode_drive_bytes"] = drive["end"] - drive["start"]
+    if eng.prompt_cache is not None:
+        result["cached_tokens"] = steps[0].cached if steps else 0
+        err(f"prompt cache: {result['cached_tokens']} of {len(ids)} prompt tokens continued from {args.prompt_cache}")
     if loaded is not None:
         result["prior_ids"] = prior_tokens
         result["full_ids"] = prior_tokens + ids + gen_ids

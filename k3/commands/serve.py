@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .. import interrupt
 from ..errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
-from .common import (CompileReport, add_budget_args, add_model_args, add_sampling_args, add_spec_args, budgets_from_args,
-                     check_model_dir, err, sampling_from_args, spec_corpus_from_args)
+from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
+                     add_spec_args, budgets_from_args, check_model_dir, check_prompt_cache_args, err, sampling_from_args,
+                     spec_corpus_from_args)
 
 HELP = "serve the model over OpenAI- and Anthropic-compatible HTTP APIs (continuous batching)"
 DESCRIPTION = ("Serve MODEL over HTTP: /v1/chat/completions, /v1/completions (streaming or not), /v1/messages "
@@ -64,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="K3 thinking effort when a request does not give reasoning_effort (default max)")
     chat.add_argument("--format", choices=("auto", "xtml", "jinja"), default="auto",
                       help="chat format: K3 XTML or the folder's Jinja chat_template (default: by model)")
+    add_prompt_cache_args(p)
     add_model_args(p)
     add_sampling_args(p)
     add_spec_args(p)
@@ -98,6 +100,7 @@ def _check(args) -> None:
         raise UsageError(f"--port must be in 0..65535, got {args.port}.")
     if not args.prefix_cache_gb >= 0:
         raise UsageError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}.")
+    check_prompt_cache_args(args)
 
 
 def run(args) -> int:
@@ -152,7 +155,8 @@ def run(args) -> int:
                                        max_context=args.max_context, max_batch=args.max_batch, log=say,
                                        notice=report.notice, compile_progress=report.progress, **kw),
                           max_queue=args.max_queue, metrics=metrics, prefix_entries=args.prefix_cache,
-                          threads=args.threads, log=err)
+                          threads=args.threads, log=err, prompt_cache=args.prompt_cache,
+                          prompt_cache_bytes=int(args.prompt_cache_gb * 1e9))
         try:
             try:
                 eng = sched.start()  # a plan that does not fit raises here, before anything is served
@@ -169,8 +173,8 @@ def run(args) -> int:
         sched.spec, sched.spec_corpus = args.spec, spec_corpus_from_args(args, eng.tokenizer)
         room = max(0, int(0.95 * eng.plan.available) - eng.plan.total) if eng.plan.available else 1 << 62
         sched.prefix_bytes = min(int(args.prefix_cache_gb * 1e9), room)
-        if sched.prefix is not None:
-            sched.prefix.max_bytes = sched.prefix_bytes
+        if sched.prefix is not None and sched.prefix.memory is not None:
+            sched.prefix.memory.max_bytes = sched.prefix_bytes
         ctx = ModelContext(name, args.model, eng.cfg, eng.tokenizer, eng.max_context, defaults, chat_kind=args.format)
         prepare_constraints(ctx)   # the grammar engine's tables now, not on the first constrained request
         if eng.tokenizer is None:
@@ -196,6 +200,7 @@ def run(args) -> int:
         err(f"k3 serve: {name} loaded in {time.perf_counter() - t0:.1f} s | up to {eng.max_batch} requests together, "
             f"{eng.max_context} positions each, {args.max_queue} queued | prefix cache "
             f"{'off' if not args.prefix_cache else f'{args.prefix_cache} states, {human(sched.prefix_bytes)}'}"
+            f"{f' + {args.prompt_cache} (disk)' if args.prompt_cache else ''}"
             f"{' | API key required' if key else ''}")
         if not is_loopback(args.host) and not key:
             err(f"WARNING: listening on {args.host} without --api-key: anyone who can reach this port can use it.")

@@ -5,8 +5,8 @@
   builders (``reasoning_content``, ``tool_calls``, stop strings). No web stack.
 * :mod:`k3.server.scheduler` - the one thread that owns the engine: it loads it, admits
   requests into one :class:`k3.decode.Batch` between steps, frees a slot as soon as a
-  client goes away, and keeps finished states for prefix reuse
-  (:mod:`k3.server.prefix`).
+  client goes away, and keeps finished states for prefix reuse (the engine's
+  :mod:`k3.prompt_cache`, memory tier and, with --prompt-cache, disk tier).
 * :mod:`k3.server.metrics` - counters and their Prometheus text.
 * :mod:`k3.server.app` - the ASGI application (Starlette) and the uvicorn server that
   drains on Ctrl-C.

@@ -26,7 +26,8 @@ class Metrics:
         self.pass_seconds = 0.0
         self.recent: deque = deque(maxlen=WINDOW)  # (seconds, tokens emitted, sequences) per pass
         self.gauges = {"batch_size": 0, "queue_depth": 0, "prefix_entries": 0, "prefix_bytes": 0, "draining": 0,
-                       "max_batch": 0, "max_queue": 0, "max_context": 0}
+                       "max_batch": 0, "max_queue": 0, "max_context": 0, "prompt_cache_disk_reads": 0,
+                       "prompt_cache_disk_writes": 0, "prompt_cache_disk_damaged": 0}
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -116,6 +117,9 @@ class Metrics:
         metric("k3_prefix_cache_bytes", "gauge", "Bytes held by the kept states.", [("", g["prefix_bytes"])])
         metric("k3_prefix_cache_lookups_total", "counter", "Prefix lookups, by result.",
                [('result="hit"', c["prefix_hits"]), ('result="miss"', c["prefix_misses"])])
+        metric("k3_prompt_cache_disk_total", "counter", "Prompt cache disk tier (--prompt-cache): snapshots read, "
+               "written, and damaged entries removed.",
+               [(f'op="{k}"', g[f"prompt_cache_disk_{k}"]) for k in ("reads", "writes", "damaged")])
         metric("k3_draining", "gauge", "1 while the server drains (after Ctrl-C/SIGTERM).", [("", g["draining"])])
         metric("k3_uptime_seconds", "gauge", "Seconds since the server started.", [("", time.time() - self.started)])
         return "\n".join(out) + "\n"

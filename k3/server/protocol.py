@@ -582,7 +582,8 @@ def render_chat(body: dict, ctx: ModelContext) -> tuple[list[int], Any, bool]:
             prompt = fmt.prompt_ids(messages, add_generation_prompt=True)
     except K3Error as e:
         raise bad(str(e), "messages", "invalid_value") from None
-    return prompt, fmt, thinking
+    from ..prompt_cache import Prompt   # its message ends: the prompt cache's snapshot points
+    return Prompt(prompt, fmt.message_ends(prompt)), fmt, thinking
 
 
 # ====================================================================== /v1/completions

@@ -6,7 +6,8 @@ refused before the server listens), then drives one :class:`k3.decode.Batch`:
 
     loop:  drop the jobs whose clients went away (Batch.remove: the slot is free now)
            admit waiting jobs while there are free slots (Batch.add; a kept state whose
-           tokens prefix the prompt is continued instead of prefilling them again)
+           tokens prefix the prompt is continued instead of prefilling them again: the
+           engine's k3.prompt_cache.PromptCache, memory tier and optional disk tier)
            one Batch.step(): a pass over the weights for every sequence in the batch
            hand each job its new tokens; a finished job leaves the batch
 
@@ -31,7 +32,6 @@ from typing import Callable
 from .. import interrupt
 from ..errors import K3Error
 from .metrics import Metrics
-from .prefix import PrefixCache
 from .protocol import ApiError, GenRequest, token_logprobs
 
 
@@ -58,12 +58,14 @@ class Job:
 
 class Scheduler:
     def __init__(self, load: Callable[[], object], *, max_queue: int, metrics: Metrics, prefix_entries: int = 16,
-                 prefix_bytes: int = 1 << 30, threads: int | None = None, log: Callable[[str], None] | None = None):
+                 prefix_bytes: int = 1 << 30, threads: int | None = None, log: Callable[[str], None] | None = None,
+                 prompt_cache: str | None = None, prompt_cache_bytes: int = 0):
         self._load = load
         self.max_queue = int(max_queue)
         self.metrics = metrics
         self.prefix_entries, self.prefix_bytes = int(prefix_entries), int(prefix_bytes)
-        self.prefix: PrefixCache | None = None
+        self.prompt_cache, self.prompt_cache_bytes = prompt_cache, int(prompt_cache_bytes)  # the disk tier
+        self.prefix = None  # the engine's k3.prompt_cache.PromptCache (None: neither tier)
         self.threads = threads
         self.log = log or (lambda msg: None)
         self.cond = threading.Condition()
@@ -147,7 +149,10 @@ class Scheduler:
             self.error = e
             self._ready.set()
             return
-        self.prefix = PrefixCache(self.prefix_entries, self.prefix_bytes) if self.prefix_entries > 0 else None
+        if self.prefix_entries > 0 or self.prompt_cache is not None:
+            self.prefix = self.engine.open_prompt_cache(
+                self.prompt_cache, max_bytes=self.prompt_cache_bytes, memory_entries=self.prefix_entries,
+                memory_bytes=self.prefix_bytes, warn=lambda msg: self.log(f"k3 serve: {msg}"))
         self.metrics.set(max_batch=self.engine.max_batch, max_queue=self.max_queue,
                          max_context=self.engine.max_context)
         self._ready.set()
@@ -207,18 +212,21 @@ class Scheduler:
                 self._step(batch)
 
     def _gauges(self) -> None:
-        p = self.prefix
-        self.metrics.set(batch_size=len(self.running), prefix_entries=len(p) if p else 0,
-                         prefix_bytes=p.bytes if p else 0)
+        m = self.prefix.memory if self.prefix is not None else None
+        d = self.prefix.disk if self.prefix is not None else None
+        self.metrics.set(batch_size=len(self.running), prefix_entries=len(m) if m else 0,
+                         prefix_bytes=m.bytes if m else 0, prompt_cache_disk_reads=d.reads if d else 0,
+                         prompt_cache_disk_writes=d.writes if d else 0,
+                         prompt_cache_disk_damaged=d.damaged if d else 0)
 
     def _admit(self, batch, job: Job) -> None:
         g = job.req
-        state, cached = None, 0
+        state, cached, hit = None, 0, None
         if self.prefix is not None:
-            hit = self.prefix.lookup(g.prompt)
+            hit = self.prefix.lookup(g.prompt, self.engine.max_context)
             self.metrics.add(prefix_hits=1 if hit else 0, prefix_misses=0 if hit else 1)
             if hit is not None:
-                cached, state = hit
+                cached, state = hit.cached, hit.state
         try:
             r = batch.add(g.prompt[cached:], state=state, max_tokens=g.max_tokens, sampler=g.sampler,
                           stop_ids=g.stop_ids, keep_logits=g.logprobs is not None, constraint=g.constraint, bias=g.bias,
@@ -227,6 +235,8 @@ class Scheduler:
             job.ended = True
             job.push({"type": "error", "status": 400, "message": str(e), "code": "invalid_value"})
             return
+        if self.prefix is not None:   # its snapshot points (message ends, every SNAPSHOT_EVERY tokens)
+            self.prefix.attach(r, hit, getattr(g.prompt, "boundaries", ()))
         job.request, job.cached = r, cached
         with self.cond:
             self.running[r.id] = job
