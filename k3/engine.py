@@ -108,7 +108,7 @@ class Engine:
         short by KeyboardInterrupt. With a prompt cache (:meth:`open_prompt_cache`), a new
         sequence (no ``state``, or an empty one, which then holds what it continues from)
         starts from the longest kept prefix of ``feed``, and its prefill leaves snapshots
-        (``feed`` a k3.prompt_cache.Prompt: at its message boundaries too)."""
+        (at its message boundaries where ``feed`` is a k3.prompt_cache.Prompt, else at its end)."""
         batch = Batch(self, observer=observer, undo_on_interrupt=undo_on_interrupt)
         cache, hit = self.prompt_cache, None
         if cache is not None and incremental and (state is None or not state.ids):   # a new sequence
@@ -122,8 +122,8 @@ class Engine:
         req = batch.add(feed[hit.cached:] if hit else feed, state=state, incremental=incremental,
                         max_tokens=max_tokens, sampler=sampler, stop_ids=stop_ids, keep_logits=keep_logits, spec=spec,
                         spec_corpus=spec_corpus)
-        if cache is not None:
-            cache.attach(req, hit, getattr(feed, "boundaries", ()))
+        if cache is not None:  # a prompt without message boundaries: its end is one (the next one may extend it)
+            cache.attach(req, hit, getattr(feed, "boundaries", ()) or (len(feed),))
         return self._steps(batch, req)  # a request refused above raises here, not at the first step
 
     def open_prompt_cache(self, folder=None, *, max_bytes: int = 0, memory_entries: int = 0, memory_bytes: int = 0,
