@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             m = measure(d, cap, arm, rep, a.tokens, ids0)
             ids0 = ids0 or d["generated_ids"]
             m["flags"] = flags_cpu
-            tsv.write(m)
+            tsv.add(**m)
             rows.append(m)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
                            if k != "flags"), flush=True)

@@ -12,7 +12,7 @@ One :class:`PromptCache`, two tiers:
 Snapshots. A prefill that starts at position 0 (or at a snapshot) takes a snapshot of
 its state at each *snapshot point*: every :data:`SNAPSHOT_EVERY` tokens (or the plan's
 prefill piece, where longer), and at the largest grid position at or before the first
-and the last message boundary of a rendered chat in the span read (:class:`Prompt`). The grid (:data:`SNAPSHOT_GRID` positions from position 0) is made
+and the last two message boundaries of a rendered chat in the span read (:class:`Prompt`). The grid (:data:`SNAPSHOT_GRID` positions from position 0) is made
 of whole KDA chunks where the attention's sums stop as in one pass: the decode
 loop cuts its prefill pieces there as well (k3.decode.pieces_with_snapshots), so the
 snapshot holds the bits a one-pass prefill has at that position, and a prompt that
@@ -110,15 +110,16 @@ class PromptCache:
     def points(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
         """The snapshot points of a prefill of positions start..end-1 that starts on the
         grid: every ``every`` tokens from the start (where the plan's pieces end) and the
-        grid position at or before the first and the last message boundary in the span
-        (where conversations that share a system prompt part, and where the next turn
-        continues: each point between pieces costs a pass), leaving at least ``min_rest``
-        tokens on both sides (k3.decode.pieces_with_snapshots keeps the ones the pieces
-        allow)."""
+        grid position at or before the first and the last two message boundaries in the
+        span (where conversations that share a system prompt part, and where the next turn
+        continues: the last message may be one the next turn does not repeat, such as a
+        tool-choice instruction; each point between pieces costs a pass), leaving at least
+        ``min_rest`` tokens on both sides (k3.decode.pieces_with_snapshots keeps the ones
+        the pieces allow)."""
         if start % self.grid:
             return []
-        inside = sorted(b - b % self.grid for b in boundaries if start < b - b % self.grid < end)
-        pts = set(range(start + self.every, end, self.every)) | set(inside[:1] + inside[-1:])
+        inside = sorted({b - b % self.grid for b in boundaries if start < b - b % self.grid < end})
+        pts = set(range(start + self.every, end, self.every)) | set(inside[:1] + inside[-2:])
         return sorted(p for p in pts if start + self.min_rest <= p <= end - self.min_rest)
 
     def attach(self, req, hit: Hit | None, boundaries: Sequence[int] = ()) -> None:
