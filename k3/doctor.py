@@ -620,9 +620,15 @@ def projection(rep: Report, facts: ModelFacts | None, probe, opts: dict) -> None
     if drives > 1:
         src += f"; the shards spread over {drives} drives (--model-dirs), each at this rate"
     rates = pj.Rates(seq, rnd, bf16, mx, f"{src}; kernels measured here", drives=drives)
+    if opts.get("prompt_tokens"):
+        from .projection_ttft import calibrate_prefill
+        rates.bf16_flops, rates.mxfp4_flops = calibrate_prefill()
     rows = pj.project(cfg, sizes, rates, opts["ram"], baseline=baseline_bytes() + KERNELS_BYTES,
                       acceptance=opts["acceptance"], trunk_gb=opts.get("trunk_gb"), cache_gb=opts.get("cache_gb"),
                       context=opts.get("context") or pj.CONTEXT, piece=opts.get("piece") or pj.PIECE)
     lines.extend(pj.render(rows, what, rates, opts["acceptance"]))
     rep.data["projection"] = {"model": what, "rates": {"sequential": seq, "random": rnd, "bf16": bf16, "mxfp4": mx},
                               "acceptance": opts["acceptance"], "rows": pj.as_dicts(rows)}
+    if opts.get("prompt_tokens"):
+        from .projection_ttft import report
+        report(lines, rep.data["projection"], cfg, sizes, rates, opts, baseline_bytes() + KERNELS_BYTES)

@@ -47,7 +47,8 @@ PIECE = 64  # prompt tokens a projected pass reads per sequence (the projection 
 @dataclass
 class Rates:
     """Bytes per second: storage (sequential, random expert-sized reads) and compute
-    (k3's BF16 one-token kernel, the MXFP4 expert kernel)."""
+    (k3's BF16 one-token kernel, the MXFP4 expert kernel); FLOP/s of the many-row
+    kernels a prefill runs (k3.projection_ttft.calibrate_prefill; 0: not measured)."""
 
     seq: float
     random: float
@@ -55,6 +56,8 @@ class Rates:
     mxfp4: float
     source: str = ""
     drives: int = 1  # drives the experts' shards are spread over evenly (--model-dirs), each at these rates
+    bf16_flops: float = 0.0  # BF16 linear, a block of 256 rows
+    mxfp4_flops: float = 0.0  # grouped MXFP4 expert FFN, ~24 rows an expert
 
 
 @dataclass
@@ -213,8 +216,9 @@ def project(cfg, sizes, rates: Rates, ram_gb, *, baseline: int, acceptance: floa
 
 def render(rows: list[Projection], what: str, rates: Rates, acceptance: float) -> list[str]:
     lines = [f"{what}; storage {rates.seq / 1e9:.2f} GB/s sequential, {rates.random / 1e9:.2f} GB/s random "
-             f"expert-sized reads; compute {rates.bf16 / 1e9:.1f} GB/s BF16, {rates.mxfp4 / 1e9:.1f} GB/s MXFP4 "
-             f"({rates.source})",
+             f"expert-sized reads; compute {rates.bf16 / 1e9:.1f} GB/s BF16, {rates.mxfp4 / 1e9:.1f} GB/s MXFP4"
+             + (f"; prefill {rates.bf16_flops / 1e9:.0f} GFLOP/s BF16, {rates.mxfp4_flops / 1e9:.0f} GFLOP/s MXFP4"
+                if rates.bf16_flops else "") + f" ({rates.source})",
              f"{'memory':>8} {'pinned':>8} {'slots':>6} {'plain GB/tok':>13} {'s/tok':>8} {'batch 8 GB/tok':>15} "
              f"{'s/tok':>8} {f'spec {acceptance:.0%} GB/tok':>16} {'s/tok':>8}"]
     for r in rows:

@@ -122,3 +122,96 @@ def test_doctor_project_prints_and_reports_the_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "k3", "doctor", "--project", "--ram", "8,x", "--no-probe"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--ram" in bad.stderr and "Traceback" not in bad.stderr
+
+
+PROMPTS = [1024, 8192, 32768]
+RAMS = [8, 16, 32, 64, 128, 224]
+
+
+def _ttft(k3_release, bf16_flops, mxfp4_flops, rams=RAMS):
+    from k3 import projection_ttft as tt
+
+    cfg, sizes = k3_release
+    rates = pj.Rates(seq=4.6e9, random=4.6e9, bf16=30e9, mxfp4=25e9, bf16_flops=bf16_flops, mxfp4_flops=mxfp4_flops)
+    rows = tt.project_prompts(cfg, sizes, rates, rams, PROMPTS, baseline=int(1.2e9))
+    return {(r.ram_gb, r.tokens): r for r in rows}
+
+
+@pytest.mark.parametrize("flops", [1e18, 50e9])
+def test_time_to_first_token_is_monotone_and_one_drive_bound(k3_release, flops):
+    """Drive-bound (compute all but free) and compute-bound (50 GFLOP/s): a longer prompt
+    is never faster, more memory never slower, and no prompt reads its bytes faster than
+    the one drive gives them."""
+    rows = _ttft(k3_release, flops, flops)
+    assert all(r.fits and r.passes >= 1 and r.piece >= 256 for r in rows.values())
+    for ram in RAMS:
+        secs = [rows[ram, n].seconds for n in PROMPTS]
+        assert secs == sorted(secs) and secs[0] < secs[-1]
+        for n in PROMPTS:
+            r = rows[ram, n]
+            assert r.seconds >= r.gb_read * 1e9 / 4.6e9 * (1 - 1e-9)
+            assert r.seconds >= max(r.drive_s, r.compute_chain_s) * (1 - 1e-9)
+    for n in PROMPTS:
+        secs = [rows[ram, n].seconds for ram in RAMS]
+        # compute-bound, the chain waits on the missed experts, not on the ring: a plan
+        # that pins more trunk may keep one cache slot fewer (a few parts in a million)
+        tol = 1e-9 if flops > 1e15 else 1e-5
+        assert all(b <= a * (1 + tol) for a, b in zip(secs, secs[1:])), (n, secs)
+    # the whole trunk pinned and more cache at 224 GB: the longest prompt in fewer passes, fewer bytes
+    assert rows[224, 32768].passes < rows[8, 32768].passes and rows[224, 32768].gb_read < rows[8, 32768].gb_read
+
+
+def test_time_to_first_token_drive_or_compute_bound(k3_release):
+    """With compute all but free a streamed-trunk plan is drive-bound: its seconds are its
+    bytes at 4.6 GB/s; at 50 GFLOP/s the prefill's FLOPs bound it: 2 x P x (trunk
+    weights + k experts' weights) a pass, not the distinct experts' bytes."""
+    from k3 import projection_ttft as tt
+
+    cfg, sizes = k3_release
+    fast = _ttft(k3_release, 1e18, 1e18, [8])
+    for n in PROMPTS:
+        r = fast[8, n]
+        assert r.bound == "drive"
+        assert r.seconds == pytest.approx(r.gb_read * 1e9 / 4.6e9, rel=1e-9)
+    slow = _ttft(k3_release, 50e9, 50e9, [8, 224])
+    trunk_w, expert_w = tt.weight_params(cfg, sizes)
+    assert expert_w == pytest.approx(3 * 3072 * 3584, rel=1e-6)  # K3's stored expert, MXFP4
+    for ram in (8, 224):
+        for n in PROMPTS:
+            r = slow[ram, n]
+            assert r.bound == "compute" and r.seconds == pytest.approx(r.compute_chain_s, rel=1e-9)
+            flops = 2 * n * (trunk_w + sizes.moe_layers * sizes.top_k * expert_w)
+            assert r.seconds > flops / 50e9
+    # one pass's chain: the FLOPs, the missed experts' reads, one row of lm_head
+    from k3.memory import planner
+    plan, pp = tt.prompt_plan(cfg, sizes, 224, 1024, baseline=int(1.2e9))
+    shape = planner.pass_shape(sizes, plan.trunk, plan.cache_slots, plan.stream_tables)
+    rates = pj.Rates(seq=4.6e9, random=4.6e9, bf16=30e9, mxfp4=25e9, bf16_flops=50e9, mxfp4_flops=50e9)
+    b, drive, chain = tt.pass_seconds(shape, cfg, sizes, rates, 1024)
+    assert pp.passes == 1 and shape.streamed_trunk_bytes == 0 and shape.table_bytes == 0
+    assert drive == pytest.approx(b / 4.6e9, rel=1e-9)
+    assert chain == pytest.approx(2 * 1024 * (trunk_w + sizes.moe_layers * 16 * expert_w) / 50e9 + drive
+                                  + sizes.head_bytes / 30e9, rel=1e-9)
+
+
+def test_doctor_project_prompt_tokens():
+    r = subprocess.run([sys.executable, "-m", "k3", "doctor", "--project", "--disk-gbps", "4.6", "--no-probe",
+                        "--ram", "8,128", "--prompt-tokens", "1024,4096", "--json"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = json.loads(r.stdout)["projection"]
+    assert p["rates"]["bf16_prefill_flops"] > 0 and p["rates"]["mxfp4_prefill_flops"] > 0
+    rows = p["time_to_first_token"]
+    assert [(t["ram_gb"], t["tokens"]) for t in rows] == [(8, 1024), (8, 4096), (128, 1024), (128, 4096)]
+    assert all(t["fits"] and t["seconds"] >= t["gb_read"] / 4.6 and t["bound"] in ("drive", "compute")
+               for t in rows)
+    sec = json.loads(r.stdout)["sections"]["projection"]
+    head = sec.index(next(line for line in sec if line.startswith("time to first token")))
+    assert "1024 tokens" in sec[head + 1] and sec[head + 2].split()[:2] == ["8", "GB"]
+    assert "GFLOP/s" in sec[0]
+    for args, what in ((["--prompt-tokens", "1024"], "--project"), (["--project", "--prompt-tokens", "0"], "got '0'"),
+                       (["--project", "--prompt-tokens", "-5"], "whole numbers"),
+                       (["--project", "--prompt-tokens", "1k"], "whole numbers")):
+        bad = subprocess.run([sys.executable, "-m", "k3", "doctor", "--no-probe", *args], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and what in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="--project: positions the projected plans hold (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="--project: prompt tokens a projected pass reads per sequence (default 64)")
+    p.add_argument("--prompt-tokens", default=None, metavar="N,...",
+                   help="--project: also the time to first token of prompts of these sizes (e.g. 1024,8192,32768), "
+                        "from the one-drive bound and this machine's measured prefill compute")
     p.add_argument("--model-dirs", nargs="+", metavar="DIR", default=[],
                    help="more folders holding the checkpoint's shards (one per drive); each is probed")
     p.add_argument("--trunk", help="packed trunk folder (default MODEL/trunk)")
@@ -71,11 +74,12 @@ def run(args) -> int:
             if v is not None and not v >= 1:
                 raise UsageError(f"{flag} must be a whole number >= 1, got {v}.")
         project = {"ram": ram, "acceptance": acc, "disk_gbps": args.disk_gbps, "trunk_gb": args.trunk_gb,
-                   "cache_gb": args.cache_gb, "context": args.max_context, "piece": args.prefill_chunk}
+                   "cache_gb": args.cache_gb, "context": args.max_context, "piece": args.prefill_chunk,
+                   "prompt_tokens": _prompt_tokens(args.prompt_tokens)}
     elif any(v is not None for v in (args.ram, args.disk_gbps, args.acceptance, args.trunk_gb, args.cache_gb,
-                                     args.max_context, args.prefill_chunk)):
-        raise UsageError("--ram, --disk-gbps, --acceptance, --trunk-gb, --cache-gb, --max-context and "
-                         "--prefill-chunk shape --project; add --project.")
+                                     args.max_context, args.prefill_chunk, args.prompt_tokens)):
+        raise UsageError("--ram, --disk-gbps, --acceptance, --trunk-gb, --cache-gb, --max-context, "
+                         "--prefill-chunk and --prompt-tokens shape --project; add --project.")
     rep = run_doctor(args.model, args.trunk, probe=not args.no_probe, probe_seconds=args.probe_seconds,
                      probe_dir=args.probe_dir, model_dirs=args.model_dirs, project=project)
     if args.json:
@@ -84,3 +88,17 @@ def run(args) -> int:
         print(rep.render())
     sys.stdout.flush()
     return EXIT_RUNTIME if rep.blocking else EXIT_OK
+
+
+def _prompt_tokens(text: str | None) -> list[int]:
+    """--prompt-tokens' prompt sizes (none without it)."""
+    if text is None:
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(0 < n <= 10_000_000 for n in sizes):
+        raise UsageError(f"--prompt-tokens takes prompt sizes in tokens (whole numbers >= 1) separated by commas, "
+                         f"e.g. 1024,8192,32768; got {text!r}.")
+    return sizes
