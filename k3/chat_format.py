@@ -420,10 +420,6 @@ class AnswerParser:
     def content(self) -> str:
         return "".join(self.text["response"])
 
-    @property
-    def tools_text(self) -> str:
-        return "".join(self.text["tools"])
-
     def closing(self) -> list[Segment]:  # overridden
         return []
 

@@ -42,10 +42,6 @@ class StreamedRows:
         self._buf = torch.empty(self.rows_per_chunk * self.row_bytes, dtype=torch.uint8)
         self.bytes_read = 0
 
-    @property
-    def buffer_bytes(self) -> int:
-        return self._buf.numel()
-
     def chunks(self):
         rows, cols = self.shape
         for r0 in range(0, rows, self.rows_per_chunk):
