@@ -49,7 +49,7 @@ from k3.checkpoint.safetensors import CheckpointIndex  # noqa: E402
 from k3.config import load_config  # noqa: E402
 from k3.memory.planner import min_budget_for, plan_trunk  # noqa: E402
 from k3.memory.trunk import PackedTrunk, TrunkStreamer, pack_trunk  # noqa: E402
-from k3.model.schema import expert_nbytes  # noqa: E402
+from k3.schema import expert_nbytes  # noqa: E402
 
 MiB = 1 << 20
 

@@ -325,7 +325,7 @@ def check_model(rep: Report, model: Path, trunk: Path | None, extra_dirs=()) -> 
         try:
             from .checkpoint.layout import CheckpointLayout
             from .memory.streaming import model_sizes
-            from .model.schema import global_specs
+            from .schema import global_specs
             layout = CheckpointLayout.open(cfg, model, extra_dirs=tuple(extra_dirs))
             sizes = facts.sizes = model_sizes(layout)
         except K3Error as e:

@@ -86,7 +86,7 @@ def block_device(path, disk: bool = False) -> tuple[str, bool | None]:
 
 
 def _aligned(n: int):
-    from .checkpoint.io import aligned_empty
+    from .buffers import aligned_empty
     return aligned_empty(n, ALIGN)
 
 

@@ -11,7 +11,7 @@ random weights of the right shapes and dtypes:
   reader can never disagree.
 * shards `model-000NN-of-0000MM.safetensors` (K3: 5-digit index, 6-digit total, like
   the release) + `model.safetensors.index.json`, written last. Tensor names, shapes
-  and the tensor set come from k3.model.schema (the one home of the tensor graph).
+  and the tensor set come from k3.schema (the one home of the tensor graph).
 * `tiktoken.model` (a real byte-level BPE vocabulary learned from a built-in text
   sample), `tokenizer_config.json` (K3's special ids at the release's offsets),
   `generation_config.json`, and `k3_synth.json` (what was generated, for humans).
@@ -70,7 +70,7 @@ from .config import ModelConfig, parse_config
 from .errors import EXIT_RUNTIME, K3Error, UsageError
 from .fsutil import atomic_write
 from .units import human
-from .model.schema import expert_specs, global_specs, layer_specs
+from .schema import expert_specs, global_specs, layer_specs
 
 __all__ = [
     "PRESETS",

@@ -201,7 +201,7 @@ CONFIG_PATHS = {arch: paths_of(c) for arch, c in CONFIGS.items()}
 
 def _config_is_usable(cfg) -> None:
     """An accepted config can be used: its fingerprint, summary and tensor graph."""
-    from k3.model.schema import global_specs, layer_specs
+    from k3.schema import global_specs, layer_specs
 
     cfg.fingerprint()
     cfg.summary()

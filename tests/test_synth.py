@@ -21,7 +21,7 @@ from k3.kernels.mxfp4 import encode_mxfp4
 from k3.checkpoint.safetensors import INDEX_NAME, CheckpointIndex, read_shard_header
 from k3.config import load_config
 from k3.errors import UsageError
-from k3.model.schema import expert_nbytes, global_specs, layer_specs
+from k3.schema import expert_nbytes, global_specs, layer_specs
 
 E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6])
 F32_SUFFIXES = ("A_log", "dt_bias", "e_score_correction_bias", "_conv1d.weight", "o_norm.weight")

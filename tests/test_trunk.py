@@ -29,7 +29,7 @@ from k3.memory.planner import min_budget_for, plan_trunk
 from k3.memory.trunk import PackedTrunk, TrunkStreamer, pack_trunk
 from k3.memory.trunk import format as TF
 from k3.memory.trunk import pack as TP
-from k3.model.schema import layer_specs
+from k3.schema import layer_specs
 from k3.model.stack import Model
 
 from engines import open_engine

@@ -1,4 +1,4 @@
-"""A checkpoint seen through the model's tensor graph (:mod:`k3.model.schema`): relative
+"""A checkpoint seen through the model's tensor graph (:mod:`k3.schema`): relative
 tensor names mapped to the index's TensorInfo, checked before anything is read.
 
 Every tensor present, shapes and dtypes right, so a partial download or a mismatched
@@ -9,7 +9,7 @@ the expert cache and the doctor all look at a checkpoint through this one class.
 from __future__ import annotations
 
 from ..errors import CheckpointError
-from ..model.schema import alog_ok, expert_specs, global_specs, layer_specs
+from ..schema import alog_ok, expert_specs, global_specs, layer_specs
 from .safetensors import CheckpointIndex, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F32", "F16")

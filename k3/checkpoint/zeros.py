@@ -128,7 +128,7 @@ def load_selection(layout, experts_per_shard: int = EXPERTS_PER_SHARD) -> list[T
     """What a run samples: every weight matrix of the trunk (its layers) and the model
     tables, and of the routed experts' weights, ``experts_per_shard`` per shard spread
     over the shard's bytes (a zeroed shard is found whichever experts it holds)."""
-    from ..model.schema import global_specs, layer_specs
+    from ..schema import global_specs, layer_specs
 
     cfg = layout.cfg
     out = [layout.info(rel) for rel, sp in global_specs(cfg).items() if sp.kind == "matrix"]

@@ -49,7 +49,7 @@ def scratch_f32(shape: tuple[int, int]) -> np.ndarray:
     pages they share a few entries. One buffer of up to _SCRATCH_KEEP bytes per Python
     thread is kept and reused by the next call, so the caller must be done with the
     array before the same thread asks again (one kernel call at a time per thread)."""
-    from ..checkpoint.io import HUGE, aligned_empty
+    from ..buffers import HUGE, aligned_empty
     n = shape[0] * shape[1]
     if 4 * n > _SCRATCH_KEEP:
         return aligned_empty(4 * n, huge=True).view(np.float32).reshape(shape)

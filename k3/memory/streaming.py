@@ -16,7 +16,7 @@ import torch
 from .. import env
 from ..checkpoint.io import ShardFiles, load_tensor, load_tensors
 from ..checkpoint.layout import CheckpointLayout
-from ..model.schema import global_specs, layer_specs
+from ..schema import global_specs, layer_specs
 from .expert_cache import ExpertCache, expert_slot_bytes
 from .planner import ModelSizes, Plan
 from .tables import StreamedEmbedding, StreamedRows
