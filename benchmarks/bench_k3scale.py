@@ -40,7 +40,6 @@ nothing). One TSV row per run (benchmarks/results/k3scale.tsv) with the CPU flag
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -49,7 +48,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import K3, RESULTS, Tsv, cpu_flags, evict, mean_sd_spread, metrics, run_k3, table  # noqa: E402
+from benchlib import (K3, RESULTS, Tsv, cpu_flags, evict, mean_sd_spread, metrics, pool_parser, run_k3,  # noqa: E402
+                      table)
 
 ARMS = ("plain", "batch8", "spec", "spec-right", "spec-half", "spec-wrong")
 COLS = ["cap", "ceiling_gb", "arm", "rep", "s_tok", "tok_s", "tokens", "passes", "tokens_per_pass", "expert_gb_tok",
@@ -149,13 +149,9 @@ def project(a, flags: list[str], available: int, acceptance: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--trunk", required=True)
+    ap = pool_parser(__doc__, reps=3)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--caps", default="stream,pinned")
     ap.add_argument("--stream-gib", type=float, default=5.5)
     ap.add_argument("--stream-trunk-gb", type=float, default=2.4)
     ap.add_argument("--pinned-gib", type=float, default=12.0)

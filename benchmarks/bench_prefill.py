@@ -25,12 +25,11 @@ per run (benchmarks/results/prefill.tsv) with the CPU flags.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RESULTS, Tsv, cpu_flags, evict, run_k3, table  # noqa: E402
+from benchlib import RESULTS, Tsv, cpu_flags, evict, pool_parser, run_k3, table  # noqa: E402
 
 from k3.decode import prefill_pieces  # noqa: E402
 
@@ -59,12 +58,8 @@ def measure(d: dict, cap: str, arm: str, rep: int, tokens: int, ids0) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--trunk", required=True)
+    ap = pool_parser(__doc__, reps=2)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--caps", default="stream,pinned")
     ap.add_argument("--one", action="store_true", help="also the one-pass run without a ceiling")
     a = ap.parse_args(argv)
     ids = ",".join(str(5000 + (7919 * i) % 150000) for i in range(a.tokens))  # distinct, no repeats to hit

@@ -22,6 +22,7 @@ Claim direction only from rank correlation, magnitude only with replication.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -99,6 +100,17 @@ def run_k3(model: str, flags: list[str], *, ceiling_gb: float | None = None,
     d = json.loads(out.read_text())
     d.update(meta)
     return d
+
+
+def pool_parser(doc: str, reps: int) -> argparse.ArgumentParser:
+    """The arguments every benchmark on the 896-pool realdims checkpoint takes: the model,
+    its packed trunk, the reps and the memory caps."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--trunk", required=True)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--caps", default="stream,pinned")
+    return ap
 
 
 def make_group(ceiling_gib: float, tag: str = "") -> Path:
@@ -387,7 +399,6 @@ BARS_COLS = ["bar", "arm", "rep", "model", "flags", "ceiling_gb", "s_tok", "s_to
 
 
 def bars_main(argv=None) -> int:
-    import argparse
     ap = argparse.ArgumentParser(prog="benchlib.py bars", description="Streaming bars a/b/c (docs/BENCHMARKS.md)")
     ap.add_argument("--model", default="/work/rd4")
     ap.add_argument("--trunk", default=None, help="packed trunk (default MODEL-trunk)")
