@@ -135,7 +135,7 @@ class Engine:
         from .model.kda import CHUNK, CHUNK_MIN_T
         from .prompt_cache import SNAPSHOT_EVERY, SNAPSHOT_GRID, MemoryTier, PromptCache
         from .prompt_cache.disk import DiskTier, checkpoint_identity
-        if self.pipeline is not None:
+        if self.pipeline is not None and folder is not None:
             raise UsageError("--prompt-cache is for one process: under torchrun each rank holds only its layers' "
                              "part of the state. Run without torchrun to use a prompt cache.")
         disk, warn = None, warn or (lambda msg: None)

@@ -88,7 +88,7 @@ def test_a_long_prompt_joins_in_pieces(model_dir):
     from k3.decode import PREFILL_CHUNK
 
     long = [(13 * i + 7) % 1000 for i in range(PREFILL_CHUNK * 2 + 40)]
-    with open_engine(model_dir, max_context=PREFILL_CHUNK * 3, max_batch=2) as eng:
+    with open_engine(model_dir, max_context=PREFILL_CHUNK * 3, max_batch=2, prefill_chunk=PREFILL_CHUNK) as eng:
         want = alone(eng, long, 3)
         short_want = alone(eng, PROMPTS[0], 6)
         batch = eng.batch()

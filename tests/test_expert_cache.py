@@ -317,8 +317,8 @@ def test_non_contiguous_expert_falls_back_to_tensor_reads(truth):
 def test_hugepage_arena_path(lay, truth, monkeypatch):
     import mmap
 
-    from k3.checkpoint import io
-    monkeypatch.setattr(io, "HUGE", 8192)  # a small arena takes the mmap + madvise path
+    from k3 import buffers
+    monkeypatch.setattr(buffers, "HUGE", 8192)  # a small arena takes the mmap + madvise path
     monkeypatch.delenv("K3_NOHUGE", raising=False)
     with cache(lay, 6) as c:
         assert isinstance(c._arena.base.base.obj, mmap.mmap) and c._arena.ctypes.data % 8192 == 0

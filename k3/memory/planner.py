@@ -645,6 +645,11 @@ def _explicit(budgets: Budgets) -> tuple[str, int | None, int | None]:
     return preset, trunk, cache
 
 
+def cache_fixed(budgets: Budgets) -> bool:
+    """Whether the user fixed the expert cache's size (--cache-gb, or a preset that sets it)."""
+    return _explicit(budgets)[2] is not None
+
+
 def trunk_room(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int, baseline: int, tokens: int,
                incremental: bool, prefill_tokens: int, spec: int = 0, kv_latent: bool = True, sequences: int = 1,
                n_layers: int | range | None = None, share: int = 1, tables: bool = True) -> int:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..units import human
 from .passcost import pass_bytes
-from .planner import (PLAN_FRACTION, Plan, ModelSizes, activation_bytes, bytes_per_token, expert_cache_slots,
-                      pass_shape)
+from .planner import (PLAN_FRACTION, Plan, ModelSizes, activation_bytes, bytes_per_token, cache_fixed,
+                      expert_cache_slots, pass_shape)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _lendable(plan: Plan, sizes: ModelSizes) -> tuple[int, int]:
     """(bytes the plan leaves unused, bytes of the expert cache above its floor that may be
     lent: none where the user fixed the cache)."""
     slack = max(0, int(PLAN_FRACTION * plan.available) - plan.total) if plan.available else 1 << 62
-    fixed_cache = plan.budgets.cache_gb is not None
+    fixed_cache = cache_fixed(plan.budgets)
     floor = (sizes.top_k + 1) * sizes.slot_bytes if sizes.routed_experts else 0
     cache = plan.cache_slots * sizes.slot_bytes
     return slack, 0 if fixed_cache else max(0, cache - floor)
@@ -140,7 +140,8 @@ def _with_buffers(plan: Plan, cfg, sizes: ModelSizes, piece: int, sequences: int
                 f" ({plan.cache_slots - slots} lent to the prefill's activations)" if slots != plan.cache_slots
                 else "")
         rows.append((name, b, note))
-    return dataclasses.replace(plan, rows=rows, cache_slots=slots, cache_budget=slots * sizes.slot_bytes,
+    budget = slots * sizes.slot_bytes if lent else plan.cache_budget
+    return dataclasses.replace(plan, rows=rows, cache_slots=slots, cache_budget=budget,
                                read_per_token=bytes_per_token(sizes, plan.trunk, slots, plan.stream_tables,
                                                               plan.sequences),
                                notes=list(plan.notes))
