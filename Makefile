@@ -25,11 +25,14 @@ $(TESTS): $(RUN)
 demo: $(RUN)
 	$(BIN)/k3 demo
 
+# one pytest-xdist worker per core; a module's tests share a worker (tests/conftest.py)
+XDIST  := -n auto --dist loadfile
+
 test: $(TESTS)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 test-all: $(TESTS)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 bench: $(RUN)
 	$(BIN)/python benchmarks/bench_kernels.py --quick

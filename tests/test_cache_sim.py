@@ -93,6 +93,7 @@ C_LRU = {455: 36.24, 911: 36.24, 1822: 36.24, 3644: 36.24, 7289: 49.19}   # got 
 C_BELADY = {455: 39.4, 911: 42.6, 1822: 49.0, 3644: 61.7, 7289: 84.6}      # got 39.42 42.61 48.98 61.72 84.57
 
 
+@pytest.mark.realtime
 def test_reference_trace_against_c_engine(trace):
     caps = capacities(gb=(8, 16, 32, 64, 128), slot_mb=17.56)
     assert caps == [455, 911, 1822, 3644, 7289]

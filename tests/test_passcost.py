@@ -188,6 +188,7 @@ def test_on_k3s_pool_wrong_drafts_stop_and_tokens_stay_plain(pool_model):
         assert withheld + drafted >= 4 * 20  # a draft was offered at almost every pass
 
 
+@pytest.mark.realtime   # the policy prices passes by this host's clock
 def test_on_k3s_pool_right_drafts_are_read_with_real_timings(pool_model):
     """The policy with its own clock (no forced drafts, no constant prices), in a fresh
     engine whose prompt pass ran cold: a corpus holding the continuation is read - pass

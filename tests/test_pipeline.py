@@ -85,8 +85,11 @@ def reference(model, gen, spec=0):
 
 
 # Three ranks of the small models (~25 s each on a slow 2-core host) add nothing the
-# tiny three-rank and small two-rank cases do not cover: run with the slow tests.
-CASES = [("tiny", "k3", 2), ("tiny", "k3", 3), ("tiny", "kimi_linear", 2), ("tiny", "kimi_linear", 3),
+# tiny three-rank and small two-rank cases do not cover, nor do two ranks of the tiny
+# models (the small ones of each arch run two): run with the slow tests. The fast cases
+# hold every (preset, arch) and every (arch, ranks) pair.
+CASES = [pytest.param("tiny", "k3", 2, marks=pytest.mark.slow), ("tiny", "k3", 3),
+         pytest.param("tiny", "kimi_linear", 2, marks=pytest.mark.slow), ("tiny", "kimi_linear", 3),
          ("small", "k3", 2), ("small", "kimi_linear", 2),
          pytest.param("small", "k3", 3, marks=pytest.mark.slow), pytest.param("small", "kimi_linear", 3, marks=pytest.mark.slow)]
 
@@ -170,6 +173,7 @@ def _wait_for(path, text, timeout=120):
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
+@pytest.mark.realtime   # the other ranks must stop within their --pipeline-timeout
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_lost_rank_stops_the_others(models, tmp_path, how):
     """A rank killed (or stopped) mid-run: the others stop within the timeout, exit 5,
@@ -258,6 +262,7 @@ def test_carry_bytes():
     assert carry_bytes(C, 5, tokens=3) == 3 * 8 * 4
 
 
+@pytest.mark.realtime   # idle past its --pipeline-timeout, then served within timeouts
 def test_serve_over_two_ranks(models, tmp_path):
     """`k3 serve` the same way: rank 0 answers HTTP, rank 1 runs its layers; the tokens
     are one process's. Idle for longer than the timeout, the ranks stay up (rank 0

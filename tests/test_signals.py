@@ -24,6 +24,8 @@ from k3.config import load_config
 from k3.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the moments are fractions of a measured run: another test beside it would skew them
+pytestmark = pytest.mark.realtime
 GEN = 60
 #: 600 ids: three prefill pieces of 256 or fewer, then GEN decode steps
 IDS = ",".join(str(i * 7 % 1000) for i in range(600))
