@@ -175,6 +175,20 @@ def test_routed_experts_grouped_equals_per_expert(arch, fmt, T, threads, math_fo
     assert same(routed_experts(cfg, z[-1:], ids[-1:], 1, DictWeights(cfg, tensors)), ref[-1:])
 
 
+@pytest.mark.parametrize("tile", [1, 4, 7])
+def test_routed_experts_in_tiles_of_pairs_equal_per_expert(tile, monkeypatch):
+    """A long prefill's pairs run in tiles of at most PAIR_TILE (an expert's run cut where
+    a tile ends): the bits of the per-expert reference whatever the tile."""
+    from k3.model import moe
+    cfg, tensors, g, d = _moe_case("k3", "mxfp4", 9)
+    k = cfg.num_experts_per_token
+    z = _x(g, 9, d)
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(9)])
+    ref = routed_experts_reference(cfg, z, ids, 1, DictWeights(cfg, tensors))
+    monkeypatch.setattr(moe, "PAIR_TILE", tile)
+    assert same(moe.routed_experts(cfg, z, ids, 1, GroupedWeights(cfg, tensors, 3)), ref)
+
+
 @pytest.mark.parametrize("arch,fmt", [("k3", "mxfp4"), ("kimi_linear", "bf16")])
 @pytest.mark.parametrize("latent,shared", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("situ", [None, (4.0, 25.0)])

@@ -95,18 +95,15 @@ def widen(plan: Plan, cfg, sizes: ModelSizes, *, span: int, floor_piece: int, se
     rows = {name: b for name, b, _ in plan.rows}
     base = rows.get("buffers", 0)
     slack, lendable = _lendable(plan, sizes)
-    piece = floor_piece
-    n_floor = passes_for(span, floor_piece)
-    for n in range(1, n_floor if auto else 1):
+    piece, need = floor_piece, 0
+    for n in range(1, passes_for(span, floor_piece) if auto else 1):
         p = max(floor_piece, _grid(math.ceil(span / n), floor_piece))
-        need = activation_bytes(cfg, _tokens(plan, p, sequences), rows=sequences) - base
-        if need <= slack + lendable:
-            piece = p
+        more = activation_bytes(cfg, _tokens(plan, p, sequences), rows=sequences) - base
+        if more <= slack + lendable:
+            piece, need = p, more
             break
-    lent = 0
+    lent = max(0, need - slack)
     if piece != floor_piece:
-        need = activation_bytes(cfg, _tokens(plan, piece, sequences), rows=sequences) - base
-        lent = max(0, need - slack)
         plan = _with_buffers(plan, cfg, sizes, piece, sequences, lent)
     pp = PrefillPlan(piece=piece, span=span, passes=passes_for(span, piece),
                      read_bytes=prompt_read_bytes(plan, sizes, span, piece), floor_piece=floor_piece,

@@ -94,14 +94,12 @@ def _tiles(items: list, span: dict, limit: int):
     for e, ew in items:
         a, b = span[e]
         while a < b:
-            take = min(b - a, limit - n) if n < limit else 0
-            if take == 0:
+            if n == limit:
                 yield tile
                 tile, n = [], 0
-                continue
+            take = min(b - a, limit - n)
             tile.append((e, ew, (a, a + take)))
-            n += take
-            a += take
+            n, a = n + take, a + take
     if tile:
         yield tile
 
