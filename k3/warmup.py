@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from . import interrupt
 
 #: the memory one compiling helper may reach (RSS: interpreter, torch, numba, LLVM's
@@ -60,19 +62,28 @@ def _job(name, label, needs, avx512, avx2, generic) -> Job:
     return Job(name, label, needs, {"avx512": avx512, "avx2": avx2, "generic": generic})
 
 
-#: the warm-up's jobs, in the order the process that runs the model goes through them;
-#: the seconds are the lowest of 2-3 reps on one core of an Intel Xeon (AVX-512), each
-#: path forced (benchmarks/bench_warmup_isa.py; docs/PERFORMANCE.md, "First run"); matmul
-#: adds the sampler's kernels (~4.5 s, measured apart)
+#: the warm-up's jobs, in the order the process that runs the model goes through them,
+#: with each one's compile seconds alone (a fresh kernel folder, its own helper, nothing
+#: else running) on the reference host: an AMD EPYC Zen 3 (AVX2), its own path and LLVM
+#: CPU (benchmarks/bench_warmup_isa.py jobs native; docs/PERFORMANCE.md, "First run").
+#: The avx512 and generic columns are those seconds times each job's cost on that path
+#: over its avx2 cost, as measured on an Intel Xeon where all three paths ran. Alone,
+#: not after the jobs before it: the helpers start together, so a job's callees are
+#: rarely in the folder yet. matmul includes the sampler's kernels.
 JOBS = {j.name: j for j in (
     #    name          label                     needs   avx512 avx2  generic
-    _job("matmul", "BF16 and MXFP4 matmuls, the sampler", "all", 21.0, 23.2, 20.6),
-    _job("attention", "attention tiles", "mla", 17.2, 18.6, 17.8),
-    _job("kda", "KDA step", "kda", 15.9, 16.2, 16.4),
-    _job("kda_region", "KDA decode region", "kda", 41.2, 39.5, 38.9),
-    _job("moe_region", "MoE decode region", "moe", 5.4, 5.1, 4.6),
-    _job("mla_region", "MLA decode region", "mla", 26.1, 24.9, 25.5),
+    _job("matmul", "BF16 and MXFP4 matmuls, the sampler", "all", 42.6, 47.1, 41.8),
+    _job("attention", "attention tiles", "mla", 36.3, 39.3, 37.6),
+    _job("kda", "KDA step", "kda", 26.7, 27.2, 27.5),
+    _job("kda_region", "KDA decode region", "kda", 89.1, 85.4, 84.1),
+    _job("moe_region", "MoE decode region", "moe", 24.2, 22.9, 20.7),
+    _job("mla_region", "MLA decode region", "mla", 93.4, 89.1, 91.2),
 )}
+
+#: compile_probe()'s seconds on the reference host (the median of six probes there, in a
+#: bare process and in one that imported the loader, as a run's is); the estimate
+#: scales by this host's over it
+PROBE_REF = 0.20
 
 
 def this_isa() -> str:
@@ -250,11 +261,49 @@ def share(names: list[str], workers: int, isa: str | None = None) -> list[list[s
     return [names_ for _, names_ in loads if names_]
 
 
-def estimate_seconds(names: list[str], workers: int, isa: str | None = None) -> float:
+def estimate_seconds(names: list[str], workers: int, isa: str | None = None, speed: float = 1.0) -> float:
     """The compile's wall time by the JOBS weights of path ``isa`` (default this CPU's):
-    the most loaded helper's share."""
+    the most loaded helper's share, times ``speed`` (this host's compile time over the
+    reference host's: :func:`host_speed`)."""
     isa = isa or this_isa()
-    return max((sum(JOBS[n].weight(isa) for n in part) for part in share(names, workers, isa)), default=0.0)
+    return speed * max((sum(JOBS[n].weight(isa) for n in part) for part in share(names, workers, isa)), default=0.0)
+
+
+def _probe_body(a, b, n):
+    s = 0.0
+    for i in range(n):
+        x = a[i] * b[i % b.shape[0]]
+        if x > 0.5:
+            s += np.sqrt(x)
+        else:
+            s -= x * x
+    out = np.empty(n, a.dtype)
+    for i in range(n):
+        out[i] = a[i] + s
+    return out.sum() + s
+
+
+def compile_probe() -> float:
+    """Seconds this host takes, now, to compile one small function with numba (typing,
+    LLVM's passes, machine code: what a job's compile is made of): the least of five
+    fresh compiles after one that warms LLVM up (one compile varies by 20-30 % from run
+    to run; the least of five much less). About 1.5-2 s in all on a slow host."""
+    from numba import njit
+    a = np.ones(10)
+    times = []
+    for _ in range(6):
+        f = njit(_probe_body)   # a fresh dispatcher, nothing cached: it compiles
+        t0 = time.perf_counter()
+        f(a, a, 10)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def host_speed(probe: float | None = None) -> float:
+    """This host's compile seconds over the reference host's (where JOBS was measured):
+    ``probe`` (default: :func:`compile_probe` now) over PROBE_REF. It follows the CPU and
+    the load on it, as the jobs' own compile times do."""
+    return (compile_probe() if probe is None else probe) / PROBE_REF
 
 
 def helper_main(argv: list[str]) -> int:
@@ -359,7 +408,10 @@ def ensure(names: list[str], *, available: int | None = None, notice=None, progr
                     "then cached for every later run), or free memory.")
             workers = max(1, min(workers, available // HELPER_BYTES))
         say = notice or (lambda msg: None)
-        say(f"compiling k3's kernels for this CPU, once ({_minutes(estimate_seconds(cold, workers))} with {workers} "
+        probe = compile_probe()
+        info["compile_probe_seconds"] = round(probe, 3)
+        info["estimate_seconds"] = round(estimate_seconds(cold, workers, speed=host_speed(probe)), 1)
+        say(f"compiling k3's kernels for this CPU, once ({_minutes(info['estimate_seconds'])} with {workers} "
             f"process{'es' if workers > 1 else ''}); cached in {kcache.where()}")
         if progress is not None:
             progress(0, len(cold), "", 0.0)

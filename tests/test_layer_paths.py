@@ -83,3 +83,5 @@ def test_run_out_reports_the_paths_and_k3_fused_0_turns_them_off(model_dir, tmp_
     assert got["1"]["generated_ids"] == got["0"]["generated_ids"]
     assert got["0"]["layer_paths"]["regions"] is False
     assert got["1"]["layer_paths"]["regions"] is vml.AVAILABLE
+    # what the warm-up did: every job the model needs, none compiled (the shared cache is warm)
+    assert got["1"]["kernels"]["jobs"] and got["1"]["kernels"]["compiled"] == []

@@ -58,6 +58,28 @@ def test_the_estimate_is_the_path_this_cpu_compiles(monkeypatch):
     assert len(set(paths.values())) == 3  # measured per path: three different totals
 
 
+def test_the_estimate_follows_this_hosts_compile_speed(monkeypatch):
+    """The JOBS seconds are one host's; the notice scales them by this host's compile
+    probe over that host's (a CPU that compiles 2x slower, or a busy one, is told 2x
+    longer), and the probe is a real compile: positive, and not a constant."""
+    names = list(warmup.JOBS)
+    base = warmup.estimate_seconds(names, 2)
+    assert warmup.estimate_seconds(names, 2, speed=warmup.host_speed(2 * warmup.PROBE_REF)) == pytest.approx(2 * base)
+    p = warmup.compile_probe()
+    assert 0.005 < p < 30
+    said = []
+    monkeypatch.setattr(warmup, "compile_probe", lambda: 3 * warmup.PROBE_REF)
+    monkeypatch.setattr(warmup, "compile_in_helpers", lambda *a, **k: {"seconds": 1.0, "workers": 2, "failed": []})
+    monkeypatch.setattr(warmup, "run_job", lambda name: None)
+    from k3.kernels import kcache
+    monkeypatch.setattr(kcache, "missing", lambda names: list(names))
+    monkeypatch.setattr(kcache, "mark", lambda name: None)
+    info = warmup.ensure(names, notice=said.append)
+    workers = min(warmup.usable_cores(), len(names))
+    assert info["estimate_seconds"] == pytest.approx(3 * warmup.estimate_seconds(names, workers), abs=0.1)
+    assert warmup._minutes(info["estimate_seconds"]) in said[0]
+
+
 class _Stream(io.StringIO):
     def __init__(self, tty):
         super().__init__()

@@ -410,6 +410,7 @@ def _report(args, eng, cfg, ids, gen_ids, steps, tok, threads, t_start, sampling
         "ultra_low_memory": plan.stream_tables,
         "memory_plan": plan.as_dict(),
         "layer_paths": eng.paths(),
+        "kernels": eng.kernels,
         "seconds_per_token": spt,
         "prefill_seconds": prefill_s,
         "decode_seconds_per_token": decode_s / len(decode) if decode else None,
