@@ -17,7 +17,7 @@ import os as _os
 # set here, before anything imports torch; an explicit setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = ["__version__", "load", "Budgets"]
 

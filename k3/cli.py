@@ -15,7 +15,8 @@ import importlib
 import os
 import sys
 
-from . import __version__, env, interrupt
+from . import env, interrupt
+from .version import __version__
 from .errors import EXIT_CHECKPOINT, EXIT_OK, EXIT_PIPELINE, EXIT_READ, EXIT_RUNTIME, EXIT_USAGE, K3Error
 
 #: command name -> module in k3.commands, in the order `k3 --help` lists them

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 from .cpuinfo import cpuinfo
 from .errors import K3Error
 from .probe import K3_EXPERT_BYTES

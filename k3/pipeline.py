@@ -617,7 +617,7 @@ def join(cfg, layout, packed, budgets, *, timeout: float, available: int, baseli
     """Join the pipeline this process was launched into: the handshake and the layer
     ranges (``layout`` covers the whole stack; ``shape`` holds the plan's sizing
     arguments: tokens, incremental, prefill_tokens, spec, kv_latent, sequences)."""
-    from . import __version__
+    from .version import __version__
     from .memory.planner import trunk_room
     from .memory.streaming import model_sizes
     rank, world = env.launch()

@@ -52,7 +52,7 @@ from typing import Sequence
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .fsutil import JSONProblem, json_kind, loads_json, path_problem, short_repr
 from .errors import K3Error, UsageError
 from .model.kda_state import KDAState

@@ -38,10 +38,18 @@ def _imports(path: Path, name: str) -> set[str]:
                 mod = node.module or ""
             if mod.split(".")[0] != "k3":
                 continue
-            out.add(mod)
-            for a in node.names:  # `from . import env` imports a module
-                out.add(f"{mod}.{a.name}")
+            # `from . import env` depends on the module k3.env; `from . import load` on
+            # the package itself (its __init__ defines the name)
+            subs = [f"{mod}.{a.name}" for a in node.names]
+            out |= {s for s in subs if _is_module(s)}
+            if not all(_is_module(s) for s in subs):
+                out.add(mod)
     return out
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT / rel.with_suffix(".py")).is_file() or (ROOT / rel / "__init__.py").is_file()
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -52,7 +60,7 @@ def import_graph() -> dict[str, set[str]]:
         for m in _imports(path, name):
             while m and m not in files:  # `from .x import y` where y is a name, not a module
                 m = m.rpartition(".")[0]
-            if m and m != name and m != "k3":  # the package root only sets an env var
+            if m and m != name:
                 deps.add(m)
         graph[name] = deps
     return graph
@@ -80,7 +88,12 @@ def _cycles(graph):
 
 
 def test_no_import_cycle_among_k3_modules():
-    cycles = _cycles(import_graph())
+    """The package root counts (its ``load`` imports the loader, so a module that takes a
+    name from the root closes a loop through the whole engine), and so do imports inside
+    functions."""
+    graph = import_graph()
+    assert "k3.loader" in graph["k3"]
+    cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -128,27 +141,57 @@ def test_the_model_math_has_no_compiled_code():
     assert not up, f"kernels importing the layers above them: {up}"
 
 
-def test_kernel_files_and_functions_stay_small():
-    """No kernel file over ~600 lines, no function over 12 parameters: a region takes its
-    arguments as named structures, not positional lists. An LLVM intrinsic's typer
-    (first parameter ``typingctx``) is exempt: its parameters are the machine operands
-    of one vector instruction sequence (registers and pointers), which numba hands
-    to it one by one."""
-    long_files, wide = [], []
-    for p in sorted((PKG / "kernels").glob("*.py")):
-        text = p.read_text()
-        if text.count("\n") > 620:
-            long_files.append(f"{p.name}: {text.count(chr(10))} lines")
+#: what is over the limits of k3/ today (600 lines a file, 80 lines and 12 parameters a
+#: function), each with the size it has now: it may shrink, never grow, and nothing new
+#: may join it. Remove an entry once it is within the limit (the test says which).
+OVER_THE_LIMIT = {
+    "k3/chat_format.py": 618, "k3/checkpoint/safetensors.py": 641, "k3/doctor.py": 634,
+    "k3/memory/expert_cache.py": 687, "k3/memory/planner.py": 795, "k3/pipeline.py": 645,
+    "k3/server/protocol.py": 981, "k3/synth.py": 1086,
+    "k3/chat.py:send": 90, "k3/commands/chat.py:repl": 100, "k3/commands/chat.py:run": 97,
+    "k3/commands/run.py:run": 87, "k3/commands/run.py:_generate": 87, "k3/commands/run.py:_generate()": 14,
+    "k3/commands/run.py:_report": 90, "k3/commands/run.py:_report()": 13, "k3/commands/run.py:_run_batch": 96,
+    "k3/commands/serve.py:run": 129, "k3/config.py:parse_config": 197, "k3/doctor.py:check_model": 137,
+    "k3/engine.py:generate()": 17, "k3/kernels/mxfp4.py:_mxfp4_grouped": 83, "k3/kernels/simd.py:make_vdot": 82,
+    "k3/kernels/tiles.py:make_tile": 144, "k3/kernels/tiles.py:_typer": 86, "k3/loader.py:load": 155, "k3/loader.py:load()": 28,
+    "k3/memory/planner.py:trunk_room()": 14, "k3/memory/planner.py:plan": 119, "k3/memory/planner.py:plan()": 13,
+    "k3/memory/trunk/format.py:open": 94, "k3/memory/trunk/pack.py:pack_trunk": 116, "k3/probe.py:probe_storage": 81,
+    "k3/synth.py:build_config": 128, "k3/synth.py:synthesize": 85,
+}
+
+
+def _sizes() -> dict[str, int]:
+    """Every file's lines, every function's lines ("file:name") and parameters
+    ("file:name()") in k3/ that are over the limits. A region takes its arguments as
+    named structures, not positional lists. An LLVM intrinsic's typer (first parameter
+    ``typingctx``) is exempt from the parameter limit: its parameters are the machine
+    operands of one vector instruction sequence, which numba hands to it one by one."""
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        rel, text = p.relative_to(ROOT).as_posix(), p.read_text()
+        if text.count("\n") > 600:
+            out[rel] = text.count("\n")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = node.args
-                if a.args and a.args[0].arg == "typingctx":
-                    continue
-                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
-                if n > 12:
-                    wide.append(f"{p.name}:{node.lineno} {node.name} ({n} parameters)")
-    assert not long_files, long_files
-    assert not wide, "\n".join(wide)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            if n > 12 and not (a.args and a.args[0].arg == "typingctx"):
+                out[f"{rel}:{node.name}()"] = max(n, out.get(f"{rel}:{node.name}()", 0))
+            lines = node.end_lineno - node.lineno + 1
+            if lines > 80:
+                out[f"{rel}:{node.name}"] = max(lines, out.get(f"{rel}:{node.name}", 0))
+    return out
+
+
+def test_files_and_functions_of_k3_stay_within_limits():
+    now = _sizes()
+    new = sorted(f"{k}: {v}" for k, v in now.items() if k not in OVER_THE_LIMIT)
+    grown = sorted(f"{k}: {v} (was {OVER_THE_LIMIT[k]})" for k, v in now.items() if v > OVER_THE_LIMIT.get(k, v))
+    fixed = sorted(k for k in OVER_THE_LIMIT if k not in now)
+    assert not new, "over the limits (600 lines a file, 80 lines or 12 parameters a function):\n" + "\n".join(new)
+    assert not grown, "grown past its recorded size:\n" + "\n".join(grown)
+    assert not fixed, f"now within the limits: remove from OVER_THE_LIMIT: {fixed}"
 
 
 def test_loading_and_the_decode_loop_stay_apart():

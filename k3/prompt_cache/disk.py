@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..errors import K3Error
 from ..model.kda_state import KDAState
 from ..model.mla import MLAState
