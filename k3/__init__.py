@@ -19,19 +19,23 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .version import __version__
 
-__all__ = ["__version__", "load", "Budgets"]
+__all__ = ["__version__", "load", "Budgets", "LoadOptions"]
 
 
-def load(model_dir, **kwargs):
-    """Open a model within a memory plan: see :func:`k3.loader.load`."""
+def load(model_dir, options=None, **kwargs):
+    """Open a model within a memory plan: see :func:`k3.loader.load` (``options``: a
+    :class:`k3.loader.LoadOptions`; its fields may be given as keywords)."""
     from .loader import load as _load
-    return _load(model_dir, **kwargs)
+    return _load(model_dir, options, **kwargs)
 
 
 def __getattr__(name):
     if name == "Budgets":
         from .memory.planner import Budgets
         return Budgets
+    if name == "LoadOptions":
+        from .loader import LoadOptions
+        return LoadOptions
     if name == "Engine":
         from .engine import Engine
         return Engine

@@ -18,7 +18,7 @@ from .. import interrupt
 from ..errors import EXIT_OK, K3Error, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
                      add_spec_args, budgets_from_args, check_model_dir, check_output_path, check_prompt_cache_args,
-                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args)
+                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args, load_options)
 
 HELP = "talk to the model (interactive, streaming, state kept between turns)"
 DESCRIPTION = "Interactive chat. Each turn reads only the new tokens on top of the carried KDA/KV state."
@@ -280,10 +280,9 @@ def run(args) -> int:
     say = (lambda m="": print(m, file=sys.stderr, flush=True))
     report = CompileReport()
     try:
-        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
-                   config=args.config, max_context=args.max_context, spec=args.spec, kv=args.kv,
-                   prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,
+        opts = load_options(args, budgets, max_context=args.max_context, spec=args.spec, kv=args.kv,
+                            prefill_chunk=args.prefill_chunk)
+        eng = load(args.model, opts, notice=report.notice, compile_progress=report.progress,
                    log=say if args.verbose else (lambda m="": say(m) if m.startswith(("auto:", "ultra:", "note:", "pipeline:"))
                                                  else None))
     finally:

@@ -68,6 +68,16 @@ def budgets_from_args(args):
 
 
 # ---------------------------------------------------------------- sampling
+def load_options(args, budgets, **run):
+    """The k3.loader.LoadOptions a command opens its model with: ``budgets``, the model
+    flags every command takes (--layers, --config, --model-dirs, --allow-zero-weights,
+    --pipeline-timeout), and ``run``, the command's own (its context, batch, speculation,
+    KV form, prefill piece)."""
+    from ..loader import LoadOptions
+    return LoadOptions(budgets=budgets, layers=args.layers, config=args.config, model_dirs=args.model_dirs,
+                       allow_zero_weights=args.allow_zero_weights, pipeline_timeout=args.pipeline_timeout, **run)
+
+
 def add_sampling_args(parser) -> None:
     """--temperature, --top-p, --top-k, --seed, --greedy."""
     g = parser.add_argument_group(

@@ -18,7 +18,7 @@ from .. import interrupt
 from ..errors import EXIT_OK, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
                      add_spec_args, budgets_from_args, check_model_dir, check_output_path, check_prompt_cache_args, err,
-                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args, spec_summary)
+                     check_text, open_prompt_cache, sampling_from_args, spec_corpus_from_args, spec_summary, load_options)
 
 HELP = "generate tokens from a prompt"
 MAX_GEN = 4096
@@ -230,11 +230,10 @@ def run(args) -> int:
                          "incremental decoding (drop --full-recompute).")
     report = CompileReport()
     try:
-        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
-                   config=args.config, max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1,
-                   kv_cache=args.incremental, trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv,
-                   prefill_chunk=args.prefill_chunk, log=log, progress=lambda i: line.update("loading", i + 1, n_layers),
+        opts = load_options(args, budgets, max_context=len(prior_tokens) + len(ids) + args.gen + args.spec + 1,
+                            kv_cache=args.incremental, trace=bool(args.dump_cache_trace), spec=args.spec, kv=args.kv,
+                            prefill_chunk=args.prefill_chunk)
+        eng = load(args.model, opts, log=log, progress=lambda i: line.update("loading", i + 1, n_layers),
                    notice=report.notice, compile_progress=report.progress)
     finally:
         report.close()
@@ -510,11 +509,10 @@ def _run_batch(args, cfg, budgets, threads, t_start) -> int:
     err(cfg.summary())
     report = CompileReport()
     try:
-        eng = load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                   allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
-                   config=args.config, max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs),
-                   max_batch=width, kv_cache=args.incremental, spec=args.spec, kv=args.kv,
-                   prefill_chunk=args.prefill_chunk, notice=report.notice, compile_progress=report.progress,
+        opts = load_options(args, budgets, max_context=max(len(j["ids"]) + j["max_tokens"] + args.spec + 1 for j in jobs),
+                            max_batch=width, kv_cache=args.incremental, spec=args.spec, kv=args.kv,
+                            prefill_chunk=args.prefill_chunk)
+        eng = load(args.model, opts, notice=report.notice, compile_progress=report.progress,
                    log=lambda m="": err(m) if args.verbose or m.startswith(("auto:", "ultra:", "note:", "pipeline:")) else None)
     finally:
         report.close()

@@ -17,7 +17,7 @@ from .. import interrupt
 from ..errors import EXIT_OK, EXIT_RUNTIME, K3Error, UsageError
 from .common import (CompileReport, add_budget_args, add_model_args, add_prompt_cache_args, add_sampling_args,
                      add_spec_args, budgets_from_args, check_model_dir, check_prompt_cache_args, err, sampling_from_args,
-                     spec_corpus_from_args)
+                     spec_corpus_from_args, load_options)
 
 HELP = "serve the model over OpenAI- and Anthropic-compatible HTTP APIs (continuous batching)"
 DESCRIPTION = ("Serve MODEL over HTTP: /v1/chat/completions, /v1/completions (streaming or not), /v1/messages "
@@ -123,9 +123,8 @@ def run(args) -> int:
     launch = env.launch()
     if launch is not None and launch[0]:  # a pipeline rank other than 0: rank 0 serves HTTP, this one its layers
         set_threads(args.threads)
-        return load(args.model, budgets=budgets, layers=args.layers, pipeline_timeout=args.pipeline_timeout,
-                    allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
-                    config=args.config, max_context=args.max_context, max_batch=args.max_batch, **kw).serve_stage()
+        return load(args.model, load_options(args, budgets, max_context=args.max_context, max_batch=args.max_batch,
+                                             **kw)).serve_stage()
     cfg = load_config(args.config or args.model)
     check_layers(cfg, args.layers)
     sampling_from_args(args, args.model)  # the flags and generation_config.json are checked now, not per request
@@ -149,11 +148,9 @@ def run(args) -> int:
         metrics = Metrics()
         t0 = time.perf_counter()
         report = CompileReport()
-        sched = Scheduler(lambda: load(args.model, budgets=budgets, layers=args.layers,
-                                       allow_zero_weights=args.allow_zero_weights, model_dirs=args.model_dirs,
-                                       pipeline_timeout=args.pipeline_timeout, config=args.config,
-                                       max_context=args.max_context, max_batch=args.max_batch, log=say,
-                                       notice=report.notice, compile_progress=report.progress, **kw),
+        opts = load_options(args, budgets, max_context=args.max_context, max_batch=args.max_batch, **kw)
+        sched = Scheduler(lambda: load(args.model, opts, log=say, notice=report.notice,
+                                       compile_progress=report.progress),
                           max_queue=args.max_queue, metrics=metrics, prefix_entries=args.prefix_cache,
                           threads=args.threads, log=err, prompt_cache=args.prompt_cache,
                           prompt_cache_bytes=int(args.prompt_cache_gb * 1e9))
