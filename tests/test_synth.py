@@ -1,4 +1,4 @@
-"""The synthetic checkpoint generator (k3/synth.py): format, layout, determinism,
+"""The synthetic checkpoint generator (k3/synth/): format, layout, determinism,
 tokenizer, MXFP4 encoder, and that a model built from it generates sensibly.
 
 Fast tests use the tiny preset only; `small` is marked slow. realdims is checked from
@@ -572,12 +572,12 @@ def test_small_preset(tmp_path, monkeypatch):
 def test_workers_write_the_same_bytes(tiny, tmp_path):
     """Pieces drawn by worker processes and written at their offsets are the bytes one
     process writes (small pieces, so that every shard is split among the workers)."""
-    old = synth._PIECE
-    synth._PIECE = 4096
+    old = synth.write._PIECE
+    synth.write._PIECE = 4096
     try:
         par = synth.synthesize(tmp_path / "par", preset="tiny", seed=0, workers=2)
     finally:
-        synth._PIECE = old
+        synth.write._PIECE = old
     for n in sorted(os.listdir(tiny)):
         assert (tiny / n).read_bytes() == (par / n).read_bytes(), n
     with pytest.raises(UsageError, match="--workers"):
