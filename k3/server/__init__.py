@@ -2,7 +2,10 @@
 
 * :mod:`k3.server.protocol` - the OpenAI request checks (with OpenAI-style error
   bodies), prompt rendering (chat formats, tools), sampling per request, and the answer
-  builders (``reasoning_content``, ``tool_calls``, stop strings). No web stack.
+  builders (``reasoning_content``, ``tool_calls``, stop strings). No web stack. It
+  re-exports them from :mod:`~k3.server.checks`, :mod:`~k3.server.chat`,
+  :mod:`~k3.server.constraints`, :mod:`~k3.server.completions`,
+  :mod:`~k3.server.tool_calls` and :mod:`~k3.server.answers`.
 * :mod:`k3.server.scheduler` - the one thread that owns the engine: it loads it, admits
   requests into one :class:`k3.decode.Batch` between steps, frees a slot as soon as a
   client goes away, and keeps finished states for prefix reuse (the engine's

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) over the same
 chat path as /v1/chat/completions.
 
-A Messages request is translated into the OpenAI chat body ``protocol.parse_chat``
+A Messages request is translated into the OpenAI chat body ``chat.parse_chat``
 checks (system, user and assistant turns, ``tool_use`` blocks as tool calls,
 ``tool_result`` blocks as tool messages, ``tools`` with their ``input_schema`` as
 functions, ``thinking`` as the reasoning effort), so both APIs render the same prompt

@@ -15,7 +15,7 @@ Jobs wait in a bounded queue (full: 429). The HTTP side reads a job's events fro
 asyncio queue filled from this thread (``loop.call_soon_threadsafe``):
 ``{"type": "admitted", "cached": n}``, ``{"type": "tokens", "tokens": [...], "finish": f}``
 (f: None, "stop" or "length"; with the request's logprobs, ``"logprobs"``: per token
-(its log p, [(id, log p) of the most likely]), ``protocol.token_logprobs``),
+(its log p, [(id, log p) of the most likely]), ``answers.token_logprobs``),
 ``{"type": "end", "finish": f, "cached": n, "prefill": n}``,
 ``{"type": "error", "status": s, "message": m}``.
 """
