@@ -25,7 +25,8 @@ from k3.checkpoint.safetensors import read_header
 from k3.errors import K3Error, ReadError, UsageError
 from k3.memory import planner
 from k3.memory.cache_sim import load_trace
-from k3.memory.expert_cache import ExpertCache, _span_of, expert_slot_bytes, locate_expert
+from k3.memory.expert_cache import ExpertCache, expert_slot_bytes, locate_expert
+from k3.memory.expert_location import _span_of
 from k3.memory.planner import expert_cache_slots
 from k3.memory.streaming import model_sizes
 from k3.model.stack import Model
