@@ -226,6 +226,134 @@ def trunk_room(cfg, sizes: ModelSizes, budgets: Budgets, *, available: int, base
     return room if t_cap is None else min(room, t_cap)
 
 
+@dataclass(frozen=True)
+class _Search:
+    """What the choice among plans works with (fixed for one :func:`plan`): the model, the
+    request and its pin order, the batch priced, the budgets the request fixes (None: the
+    plan decides), the trunk's ceiling (a ceiling preset's), and the expert cache's floor
+    (top-k + 1 slots) and the most it could use."""
+
+    sizes: ModelSizes
+    budgets: Budgets
+    pin_order: str
+    sequences: int
+    trunk_req: int | None
+    cache_req: int | None
+    trunk_cap: int | None
+    floor_cache: int
+    max_cache: int
+
+    @property
+    def streaming(self) -> bool:
+        return self.budgets.trunk is not None
+
+    def trunk_plan(self, t):
+        if not self.streaming:
+            return None
+        return _plan_trunk_memo(tuple(self.sizes.layer_bytes), t, self.budgets.trunk_ring, self.pin_order)
+
+    def trunk_budgets(self, left: int) -> list:
+        """The trunk budgets to try with ``left`` bytes for the trunk and the expert cache
+        ([None]: the trunk is held in RAM)."""
+        sizes, pin_order = self.sizes, self.pin_order
+        if not self.streaming:
+            return [None]
+        if self.trunk_req is not None:
+            return [self.trunk_req]
+        cache_part = self.cache_req if self.cache_req is not None else self.floor_cache
+        top = min(left - cache_part, sum(align_up(x) for x in sizes.layer_bytes))
+        if self.trunk_cap is not None:
+            top = min(top, max(self.trunk_cap, min_budget_for(list(sizes.layer_bytes), 1, pin_order)))
+        one_slot = min_budget_for(list(sizes.layer_bytes), 1, pin_order)
+        # every pinned set the pin order passes through (not only the largest one that
+        # fits), so that memory added never takes a plan away: more memory, never more bytes
+        steps = trunk_ladder(tuple(sizes.layer_bytes), self.budgets.trunk_ring, pin_order)
+        trunk_sizes = sorted({t for t in (top, *steps) if one_slot <= t <= top})
+        # the same pinned set for less budget leaves the rest to the cache
+        more = set()
+        for t in trunk_sizes:
+            tp = self.trunk_plan(t)
+            more.add(tp.pinned_bytes + tp.ring_slots * tp.slot_bytes)
+        return sorted(set(trunk_sizes) | more)
+
+    def candidates(self, room: int, table_choices: list) -> list:
+        """Every plan that fits in ``room`` (tables resident or streamed, each trunk budget
+        with the expert cache it leaves)."""
+        sizes = self.sizes
+        candidates = []  # (bytes/token, -trunk budget, stream_tables, trunk budget, cache budget, TrunkPlan)
+        for stream_tables in table_choices:
+            tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
+            left = room - tables
+            for t in self.trunk_budgets(left):
+                try:
+                    tp = self.trunk_plan(t)
+                except K3Error:
+                    continue
+                trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
+                cache = self.cache_req if self.cache_req is not None else min(self.max_cache, left - trunk_mem)
+                if cache < self.floor_cache or trunk_mem + cache > left:
+                    continue
+                slots = expert_cache_slots(sizes, cache)
+                cost = bytes_per_token(sizes, tp, slots, stream_tables, self.sequences)
+                candidates.append((cost, -(trunk_mem), stream_tables, t, cache, tp, slots))
+        return candidates
+
+    def asked_for(self, room: int, table_choices: list) -> tuple:
+        """The plan that was asked for, whether or not it fits: (bytes/token, stream_tables,
+        trunk budget, cache budget, TrunkPlan, slots)."""
+        sizes, budgets = self.sizes, self.budgets
+        stream_tables = table_choices[-1] if budgets.stream_tables is None else budgets.stream_tables
+        tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
+        if self.streaming:
+            t = self.trunk_req if self.trunk_req is not None else max(
+                min_budget_for(list(sizes.layer_bytes), 1, self.pin_order), room - tables - self.floor_cache)
+            tp = self.trunk_plan(t)
+        else:
+            t, tp = None, None
+        if self.cache_req is not None:
+            cache = self.cache_req
+        else:
+            trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
+            cache = min(self.max_cache, max(self.floor_cache, room - tables - trunk_mem))
+        slots = expert_cache_slots(sizes, cache)
+        cost = bytes_per_token(sizes, tp, slots, stream_tables, self.sequences)
+        return cost, stream_tables, t, cache, tp, slots
+
+
+def _component_rows(sizes: ModelSizes, tp: TrunkPlan | None, stream_tables: bool, slots: int) -> list:
+    """The plan's rows for the trunk, the model tables and the expert cache."""
+    rows = []
+    if tp is not None:
+        rows.append(("trunk (STREAMED)", tp.used_bytes,
+                     f"{len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned + a {human(tp.arena_bytes)} ring "
+                     f"({tp.ring_slots} slot(s) of {human(tp.slot_bytes)})"))
+    else:
+        rows.append(("trunk (resident)", sizes.trunk_bytes, "every layer held in RAM, as stored"))
+    if stream_tables:
+        rows.append(("embed + lm_head", stream_table_bytes(sizes), "streamed: one chunk buffer + the embedding rows"))
+    else:
+        rows.append(("embed + lm_head", sizes.table_bytes, "resident, as stored"))
+    rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
+    return rows
+
+
+def _auto_note(p: Plan, sizes: ModelSizes, n_plans: int, trunk_cap: int | None, cache_cap: int | None) -> str:
+    """Why auto (or a ceiling preset) chose plan ``p`` among the ``n_plans`` that fit."""
+    why = []
+    if p.budgets.stream_tables is None:
+        why.append("model tables " + ("STREAMED: the memory they free pins more of the trunk than lm_head "
+                                      f"costs to read ({human(sizes.head_bytes)} a token)" if p.stream_tables
+                                      else "resident"))
+    tp, slots, preset = p.trunk, p.cache_slots, p.preset
+    if tp is not None:
+        why.append(f"trunk {human(tp.used_bytes)} ({len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned)")
+    why.append(f"expert cache {human(slots * sizes.slot_bytes)} ({slots} slots)")
+    within = (f" within the {preset} preset's ceilings ({gb(trunk_cap or 0)} GB trunk, "
+              f"{gb(cache_cap or 0)} GB expert cache)" if preset in CEILING_PRESETS else "")
+    return (f"{'auto' if preset not in CEILING_PRESETS else preset}: {'; '.join(why)}: the fewest bytes "
+            f"read per token (~{human(p.read_per_token)}{p._at_batch()}) of the {n_plans} plans that fit{within}.")
+
+
 def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: bool, available: int,
          baseline: int, n_layers: int | range | None = None, pin_order: str = "largest", prefill_tokens: int = 1 << 30,
          spec: int = 0, kv_latent: bool = True, sequences: int = 1) -> Plan:
@@ -253,97 +381,22 @@ def plan(cfg, sizes: ModelSizes, budgets: Budgets, *, tokens: int, incremental: 
     notes = []
     if not streaming and budgets.trunk_gb not in (None, "auto"):
         notes.append("note: --trunk-gb has no effect without --trunk (the trunk is held in RAM)")
-
-    def trunk_plan(t):
-        return _plan_trunk_memo(tuple(sizes.layer_bytes), t, budgets.trunk_ring, pin_order) if streaming else None
-
-    candidates = []  # (bytes/token, -trunk budget, stream_tables, trunk budget, cache budget, TrunkPlan)
-    for stream_tables in table_choices:
-        tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
-        left = room - tables
-        if not streaming:
-            trunk_sizes = [None]
-        elif trunk_req is not None:
-            trunk_sizes = [trunk_req]
-        else:
-            cache_part = cache_req if cache_req is not None else floor_cache
-            top = min(left - cache_part, sum(align_up(x) for x in sizes.layer_bytes))
-            if trunk_cap is not None:
-                top = min(top, max(trunk_cap, min_budget_for(list(sizes.layer_bytes), 1, pin_order)))
-            one_slot = min_budget_for(list(sizes.layer_bytes), 1, pin_order)
-            # every pinned set the pin order passes through (not only the largest one that
-            # fits), so that memory added never takes a plan away: more memory, never more bytes
-            steps = trunk_ladder(tuple(sizes.layer_bytes), budgets.trunk_ring, pin_order)
-            trunk_sizes = sorted({t for t in (top, *steps) if one_slot <= t <= top})
-            # the same pinned set for less budget leaves the rest to the cache
-            more = set()
-            for t in trunk_sizes:
-                tp = trunk_plan(t)
-                more.add(tp.pinned_bytes + tp.ring_slots * tp.slot_bytes)
-            trunk_sizes = sorted(set(trunk_sizes) | more)
-        for t in trunk_sizes:
-            try:
-                tp = trunk_plan(t)
-            except K3Error:
-                continue
-            trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
-            cache = cache_req if cache_req is not None else min(max_cache, left - trunk_mem)
-            if cache < floor_cache or trunk_mem + cache > left:
-                continue
-            slots = expert_cache_slots(sizes, cache)
-            cost = bytes_per_token(sizes, tp, slots, stream_tables, sequences)
-            candidates.append((cost, -(trunk_mem), stream_tables, t, cache, tp, slots))
+    search = _Search(sizes, budgets, pin_order, sequences, trunk_req, cache_req, trunk_cap, floor_cache, max_cache)
+    candidates = search.candidates(room, table_choices)
     explicit_all = (not streaming or trunk_req is not None) and cache_req is not None and len(table_choices) == 1
     if candidates and not explicit_all:
         cost, _, stream_tables, t, cache, tp, slots = min(candidates, key=lambda c: c[:2])
     else:
         # Nothing fits (or nothing was left to choose): build the plan that was asked for,
         # so that check() refuses it with every row shown.
-        stream_tables = table_choices[-1] if budgets.stream_tables is None else budgets.stream_tables
-        tables = stream_table_bytes(sizes) if stream_tables else sizes.table_bytes
-        if streaming:
-            t = trunk_req if trunk_req is not None else max(
-                min_budget_for(list(sizes.layer_bytes), 1, pin_order), room - tables - floor_cache)
-            tp = trunk_plan(t)
-        else:
-            t, tp = None, None
-        if cache_req is not None:
-            cache = cache_req
-        else:
-            trunk_mem = tp.used_bytes if tp is not None else sizes.trunk_bytes
-            cache = min(max_cache, max(floor_cache, room - tables - trunk_mem))
-        slots = expert_cache_slots(sizes, cache)
-        cost = bytes_per_token(sizes, tp, slots, stream_tables, sequences)
-    rows = []
-    if tp is not None:
-        rows.append(("trunk (STREAMED)", tp.used_bytes,
-                     f"{len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned + a {human(tp.arena_bytes)} ring "
-                     f"({tp.ring_slots} slot(s) of {human(tp.slot_bytes)})"))
-    else:
-        rows.append(("trunk (resident)", sizes.trunk_bytes, "every layer held in RAM, as stored"))
-    if stream_tables:
-        rows.append(("embed + lm_head", stream_table_bytes(sizes), "streamed: one chunk buffer + the embedding rows"))
-    else:
-        rows.append(("embed + lm_head", sizes.table_bytes, "resident, as stored"))
-    rows.append(("expert cache", slots * sizes.slot_bytes, f"{slots} slots x {human(sizes.slot_bytes)}"))
-    rows += fixed
+        cost, stream_tables, t, cache, tp, slots = search.asked_for(room, table_choices)
+    rows = _component_rows(sizes, tp, stream_tables, slots) + fixed
     p = Plan(budgets, preset, tp, t if streaming else None, cache, slots, stream_tables, available, cost, rows, notes,
              kv_positions=tokens, kv_per_position=kv_bytes_per_position(cfg, n_layers, kv_latent),
              sequences=max(1, int(sequences)))
     if (preset == "auto" or budgets.trunk_gb == "auto" or (budgets.cache_gb is None and preset == "custom")
             or (preset in CEILING_PRESETS and candidates)):
-        why = []
-        if budgets.stream_tables is None:
-            why.append("model tables " + ("STREAMED: the memory they free pins more of the trunk than lm_head "
-                                          f"costs to read ({human(sizes.head_bytes)} a token)" if stream_tables
-                                          else "resident"))
-        if tp is not None:
-            why.append(f"trunk {human(tp.used_bytes)} ({len(tp.pinned)}/{len(sizes.layer_bytes)} layers pinned)")
-        why.append(f"expert cache {human(slots * sizes.slot_bytes)} ({slots} slots)")
-        within = (f" within the {preset} preset's ceilings ({gb(trunk_cap or 0)} GB trunk, "
-                  f"{gb(cache_cap or 0)} GB expert cache)" if preset in CEILING_PRESETS else "")
-        p.notes.append(f"{'auto' if preset not in CEILING_PRESETS else preset}: {'; '.join(why)}: the fewest bytes "
-                       f"read per token (~{human(cost)}{p._at_batch()}) of the {len(candidates)} plans that fit{within}.")
+        p.notes.append(_auto_note(p, sizes, len(candidates), trunk_cap, cache_cap))
     return p
 
 
