@@ -10,6 +10,9 @@ the exact commands to run next.
 
 Exit status: 0 unless a problem blocks running at all (a required package missing,
 a shard missing or truncated, the config unreadable): then 1. Works without a model.
+
+The model-folder check is k3.doctor_model; the Report every check fills is
+k3.doctor_report (both importable from here, as before).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import platform
 import shlex
 import shutil
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .version import __version__
 from .cpuinfo import cpuinfo
+from .doctor_model import ModelFacts, check_model
+from .doctor_report import Report
 from .errors import K3Error
 from .probe import K3_EXPERT_BYTES
 from .units import GB, human
@@ -41,47 +44,6 @@ K3_EXPERT_BYTES_PER_TOKEN = 25.83e9
 K3_DOWNLOAD_BYTES = 1_560_936_091_448
 K3_SLOT_BYTES = 17_559_552  # one expert's cache slot: its bytes widened to 4096-byte boundaries
 K3_REPO = "moonshotai/Kimi-K3"
-
-
-@dataclass
-class Report:
-    sections: list = field(default_factory=list)  # (title, [lines])
-    blocking: list = field(default_factory=list)
-    warnings: list = field(default_factory=list)
-    next_steps: list = field(default_factory=list)  # (command, why)
-    data: dict = field(default_factory=dict)
-
-    def section(self, title: str) -> list:
-        lines: list = []
-        self.sections.append((title, lines))
-        return lines
-
-    def render(self) -> str:
-        out = [f"k3 doctor (k3 {__version__})"]
-        for title, lines in self.sections:
-            out.append("")
-            out.append(title)
-            out += [f"  {ln}" for ln in lines]
-        out.append("")
-        if self.blocking or self.warnings:
-            out.append("problems")
-            out += [f"  BLOCKING: {m}" for m in self.blocking]
-            out += [f"  warning: {m}" for m in self.warnings]
-        else:
-            out.append("problems: none")
-        if self.next_steps:
-            out.append("")
-            out.append("next")
-            for cmd, why in self.next_steps:
-                out.append(f"  {cmd}")
-                if why:
-                    out.append(f"      # {why}")
-        return "\n".join(out)
-
-    def as_dict(self) -> dict:
-        return {"k3_version": __version__, "blocking": self.blocking, "warnings": self.warnings,
-                "next": [c for c, _ in self.next_steps], "sections": {t: ls for t, ls in self.sections},
-                **self.data}
 
 
 # ---------------------------------------------------------------- system
@@ -225,177 +187,6 @@ def check_memory(rep: Report) -> dict:
                             "Close other programs or use a machine with more memory.")
     rep.data["memory"] = {"MemTotal": total, "MemAvailable": avail, "preset": name}
     return {"total": total, "avail": avail, "preset": name, "planner": planner}
-
-
-# ---------------------------------------------------------------- model folder
-@dataclass
-class ModelFacts:
-    ok: bool = False
-    cfg: object = None
-    total_bytes: int = 0
-    trunk_bytes: int = 0
-    table_bytes: int = 0
-    expert_bytes_per_token: int = 0
-    largest_layer: int = 0
-    trunk_dir: Path | None = None
-    trunk_state: str = "absent"  # absent | current | stale | unchecked
-    shard_problems: list = field(default_factory=list)
-    sizes: object = None  # planner.ModelSizes, when the checkpoint matches its config
-
-
-def check_model(rep: Report, model: Path, trunk: Path | None, extra_dirs=()) -> ModelFacts:
-    from .checkpoint.safetensors import INDEX_NAME, read_index, read_shard_header, shard_paths
-    from .fsutil import path_problem
-    from .config import load_config
-
-    facts = ModelFacts()
-    lines = rep.section(f"model {model}")
-    if not model.is_dir():
-        rep.blocking.append(f"{model} is not a folder. Give the folder that holds config.json and the *.safetensors "
-                            "shards.")
-        return facts
-    # config
-    try:
-        cfg = load_config(model)
-        facts.cfg = cfg
-        lines.append(cfg.summary())
-    except K3Error as e:
-        rep.blocking.append(f"config: {e}")
-        cfg = None
-    # shards named by the index (or all *.safetensors without one)
-    index_path = model / INDEX_NAME
-    weight_map: dict = {}
-    if os.path.lexists(index_path):
-        try:
-            weight_map, meta = read_index(index_path)
-        except K3Error as e:
-            rep.blocking.append(str(e))
-            return facts
-        declared_total = (meta or {}).get("total_size")
-        shards = sorted(set(weight_map.values()))
-    else:
-        declared_total = None
-        shards = sorted(p.name for p in model.glob("*.safetensors"))
-        if not shards:
-            rep.blocking.append(f"{model}: no {INDEX_NAME} and no *.safetensors shards; the download is missing.")
-            return facts
-    missing, bad, tensors = [], [], {}
-    size_total = 0
-    where = shard_paths(str(model), shards, [str(d) for d in extra_dirs])
-    for name in shards:
-        p = Path(where[name])
-        why = path_problem(p)
-        if why == "does not exist":
-            missing.append(name)
-            continue
-        if why is not None:  # a folder, a broken link, a link loop: say what it is
-            bad.append((name, f"{p} {why}; it should be the shard file"))
-            continue
-        try:
-            h = read_shard_header(p)
-        except K3Error as e:
-            bad.append((name, str(e)))
-            continue
-        size_total += h.file_size
-        tensors.update(h.tensors)
-    text_missing = [n for n in missing if any(v == n and not k.startswith(("vision_tower.", "mm_projector."))
-                                              for k, v in weight_map.items())] if weight_map else missing
-    if missing:
-        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        (rep.blocking if text_missing else rep.warnings).append(
-            f"{len(missing)} of {len(shards)} shards the index names are missing: {shown}. A partial download cannot "
-            "run the model; download them again.")
-    for name, msg in bad:
-        rep.blocking.append(f"shard {name}: {msg}")
-    facts.shard_problems = missing + [n for n, _ in bad]
-    present = len(shards) - len(missing) - len(bad)
-    lines.append(f"shards: {present} of {len(shards)} present and consistent with their headers "
-                 f"({human(size_total)})")
-    data_total = sum(t.nbytes for t in tensors.values())
-    if declared_total is not None and not missing and not bad and declared_total != data_total:
-        rep.warnings.append(f"the index says total_size {declared_total} bytes but the shards hold {data_total} "
-                            "bytes of tensors; the index and shards may come from different revisions.")
-    absent = [k for k, v in weight_map.items() if v not in missing and v not in dict(bad) and k not in tensors]
-    if absent:
-        rep.blocking.append(f"{len(absent)} tensors the index maps are not in their shard (e.g. {absent[0]}); "
-                            "a shard is from another revision. Download it again.")
-    facts.total_bytes = size_total
-    # sizes for the estimates: the checkpoint seen through the model's tensor graph
-    if cfg is not None and not missing and not bad and not absent:
-        try:
-            from .checkpoint.layout import CheckpointLayout
-            from .memory.streaming import model_sizes
-            from .schema import global_specs
-            layout = CheckpointLayout.open(cfg, model, extra_dirs=tuple(extra_dirs))
-            sizes = facts.sizes = model_sizes(layout)
-        except K3Error as e:
-            rep.blocking.append(str(e))
-        else:
-            facts.trunk_bytes = sizes.trunk_bytes
-            facts.table_bytes = sum(ti.nbytes for ti in (layout.info(rel) for rel in global_specs(cfg)))
-            facts.largest_layer = max(sizes.layer_bytes)
-            facts.expert_bytes_per_token = sizes.moe_layers * sizes.top_k * sizes.expert_bytes
-            lines.append(f"per token: trunk {human(facts.trunk_bytes)} + routed experts "
-                         f"{human(facts.expert_bytes_per_token)} ({sizes.moe_layers} MoE layers x top-{sizes.top_k} x "
-                         f"{human(sizes.expert_bytes)}); model tables {human(facts.table_bytes)}")
-            from .checkpoint import zeros
-            t0 = time.perf_counter()
-            sel = zeros.doctor_selection(layout.index)
-            found = zeros.scan(sel)
-            rep.data["zero_weights"] = [{"tensor": f.tensor, "shard": f.shard, "offsets": f.offsets,
-                                         "all_samples": f.whole} for f in found]
-            lines.append(f"weights read as zeros: {len(found) or 'none'} of {len(sel)} sampled "
-                         f"({zeros.SAMPLES} aligned 4 KiB blocks each, {time.perf_counter() - t0:.1f} s)")
-            if found:
-                rep.warnings.append(zeros.describe(found, model) + " `k3 run` refuses this checkpoint (exit 3) "
-                                    "unless given --allow-zero-weights.")
-    # tokenizer and chat format
-    try:
-        from .tokenizer import Tokenizer
-        tok = Tokenizer(model)
-        fmt = "K3 XTML" if tok.has_special("<|open|>") and tok.has_special("<|end_of_msg|>") else None
-        tmpl = tok.chat_template()
-        chat = fmt or ("Jinja chat template" if tmpl else "none (k3 chat needs chat_template.jinja)")
-        lines.append(f"tokenizer: {tok.n_base} ranks + 256 specials; chat format: {chat}")
-        if fmt is None and tmpl is None:
-            rep.warnings.append("the folder has no chat template and no K3 XTML tokens: `k3 chat` cannot format "
-                                "a conversation (k3 run with a raw prompt works).")
-    except K3Error as e:
-        rep.warnings.append(f"tokenizer: {e} Text prompts and `k3 chat` need it; `k3 run --ids` does not.")
-    try:
-        from .sampling import generation_defaults
-        gen = generation_defaults(model)
-        lines.append("generation_config.json: " + (", ".join(f"{k} {v}" for k, v in gen.items()) if gen
-                                                  else "none (greedy decoding by default)"))
-    except K3Error as e:
-        rep.warnings.append(str(e))
-    # packed trunk
-    facts.trunk_dir = trunk if trunk is not None else model / "trunk"
-    if trunk is not None and not trunk.is_dir():
-        rep.warnings.append(f"--trunk {trunk}: no such folder.")
-    if facts.trunk_dir.is_dir() and (facts.trunk_dir / "trunk.json").is_file():
-        facts.trunk_state = _check_trunk(rep, facts.trunk_dir, cfg, model, bad or missing, extra_dirs)
-        lines.append(f"packed trunk: {facts.trunk_dir} ({facts.trunk_state})")
-    else:
-        lines.append(f"packed trunk: none at {facts.trunk_dir}")
-    facts.ok = cfg is not None and not missing and not bad and not absent and facts.sizes is not None
-    return facts
-
-
-def _check_trunk(rep: Report, tdir: Path, cfg, model: Path, shards_broken, extra_dirs=()) -> str:
-    if cfg is None or shards_broken:
-        return "unchecked (the model folder has problems)"
-    try:
-        from .checkpoint.safetensors import CheckpointIndex
-        from .memory.trunk import PackedTrunk
-    except ImportError:  # pragma: no cover - a build without trunk streaming
-        return "unchecked (no trunk support in this build)"
-    try:
-        PackedTrunk.open(tdir, cfg, CheckpointIndex.open(model, extra_dirs))
-        return "current"
-    except K3Error as e:
-        rep.warnings.append(f"the packed trunk in {tdir} is stale: {e}")
-        return "stale"
 
 
 # ---------------------------------------------------------------- disk and storage

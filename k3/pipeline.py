@@ -25,6 +25,8 @@ torch.distributed (gloo over TCP, CPU) carries everything: no transport of our o
   waiting is not mistaken for a hang. A rank that dies, hangs or cannot be reached
   makes every other rank stop with one message and exit code 5; nothing is written as
   if the run had succeeded.
+
+The messages themselves (`Link`: a pickled header, then tensors) are k3.pipeline_link.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -45,6 +46,7 @@ import torch
 from . import env
 from .errors import EXIT_PIPELINE, K3Error, NumericError, PipelineError, ReadError
 from .model.stack import InferenceState, Model
+from .pipeline_link import Link
 from .units import human
 
 #: default seconds a rank waits for its neighbour before it declares it lost
@@ -128,77 +130,6 @@ def _carry_tensors(carry) -> list:
     """The tensors of a carry (bank, x), in the order they travel."""
     bank, x = carry
     return ([] if bank is None else list(bank)) + [x]
-
-
-# ====================================================================== messages
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
-
-
-class Link:
-    """Point-to-point messages between ranks over torch.distributed: a header (pickled)
-    and tensors. Sends are asynchronous (a stage goes on computing while its output
-    travels); receives block, bounded by the process group's timeout."""
-
-    def __init__(self, rank: int, world: int, who):
-        import torch.distributed as dist
-        self.dist = dist
-        self.rank, self.world = rank, world
-        self.who = who  # rank -> "rank R (host)"
-        self.sent = 0  # bytes this rank sent
-        self._pending: list = []
-
-    def send(self, dst: int, header: dict, tensors=()) -> None:
-        tensors = [t.contiguous() for t in tensors]
-        header = dict(header, shapes=[(tuple(t.shape), str(t.dtype).split(".")[-1]) for t in tensors])
-        data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-        n = torch.tensor([len(data)], dtype=torch.int64)
-        b = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._done()
-        try:
-            works = [self.dist.isend(n, dst), self.dist.isend(b, dst)] + [self.dist.isend(t, dst) for t in tensors]
-        except RuntimeError as e:
-            raise self.lost(dst, e) from None
-        self._pending.append((works, [n, b] + tensors))
-        self.sent += 8 + len(data) + sum(t.numel() * t.element_size() for t in tensors)
-
-    def _done(self) -> None:
-        """Wait for the sends whose buffers may now be freed (all but the latest)."""
-        while len(self._pending) > 1:
-            works, _ = self._pending.pop(0)
-            for w in works:
-                w.wait()
-
-    def flush(self) -> None:
-        for works, _ in self._pending:
-            for w in works:
-                w.wait()
-        self._pending = []
-
-    def recv(self, src: int) -> tuple[dict, list]:
-        try:
-            n = torch.empty(1, dtype=torch.int64)
-            self.dist.recv(n, src)
-            b = torch.empty(int(n[0]), dtype=torch.uint8)
-            self.dist.recv(b, src)
-            header = pickle.loads(b.numpy().tobytes())
-            tensors = []
-            for shape, dt in header.get("shapes", ()):
-                t = torch.empty(shape, dtype=_DTYPES[dt])
-                self.dist.recv(t, src)
-                tensors.append(t)
-        except RuntimeError as e:
-            raise self.lost(src, e) from None
-        return header, tensors
-
-    def lost(self, peer: int, e: BaseException) -> PipelineError:
-        msg = str(e)
-        why = ("did not answer within the timeout (hung, or too slow: raise --pipeline-timeout)"
-               if "imed out" in msg or "timeout" in msg.lower() else
-               "closed the connection (it exited or crashed: see its own output)")
-        return PipelineError(
-            f"{self.who(self.rank)}: lost contact with {self.who(peer)}, which {why}. The pipeline cannot go "
-            f"on without every rank, so this rank stops; no result of the unfinished step was produced or "
-            f"written. ({msg.splitlines()[0][:200] if msg else type(e).__name__})")
 
 
 # ====================================================================== the stage
