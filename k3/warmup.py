@@ -286,8 +286,9 @@ def _probe_body(a, b, n):
 def compile_probe() -> float:
     """Seconds this host takes, now, to compile one small function with numba (typing,
     LLVM's passes, machine code: what a job's compile is made of): the least of five
-    fresh compiles after one that warms LLVM up (one compile varies by 20-30 % from run
-    to run; the least of five much less). About 1.5-2 s in all on a slow host."""
+    fresh compiles after one that warms LLVM up (one compile varies by 20-30 % within a
+    process; the least of five still by 0.17-0.29 s between processes on one quiet host,
+    docs/PERFORMANCE.md "First run"). About 1.5-2 s in all on a slow host."""
     from numba import njit
     a = np.ones(10)
     times = []

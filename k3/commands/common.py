@@ -67,7 +67,6 @@ def budgets_from_args(args):
     return b
 
 
-# ---------------------------------------------------------------- sampling
 def load_options(args, budgets, **run):
     """The k3.loader.LoadOptions a command opens its model with: ``budgets``, the model
     flags every command takes (--layers, --config, --model-dirs, --allow-zero-weights,
@@ -78,6 +77,7 @@ def load_options(args, budgets, **run):
                        allow_zero_weights=args.allow_zero_weights, pipeline_timeout=args.pipeline_timeout, **run)
 
 
+# ---------------------------------------------------------------- sampling
 def add_sampling_args(parser) -> None:
     """--temperature, --top-p, --top-k, --seed, --greedy."""
     g = parser.add_argument_group(
